@@ -1,0 +1,355 @@
+"""Configuration: frozen pydantic models, validated on construction, and named presets.
+
+One :class:`VipConfig` describes a whole pipeline run. It is the Prefect flow parameter (the UI renders
+it as a form) and is flattened into MLflow params by :func:`flatten`. Fields hold public hyperparameters
+only: the private dataset's size is measured at run time and enters through
+:func:`vip_core.privacy.plan.plan_privacy`, which checks the batch against it and calibrates σ.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+Accountant = Literal["prv", "pld", "rdp"]
+EVAL_TASKS = ("linprobe", "finetune", "fewshot", "coco", "ade20k")
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+
+class ModelConfig(_Frozen):
+    """The masked autoencoder: a ViT encoder and a light ViT decoder."""
+
+    img_size: int = Field(224, gt=0)
+    patch_size: int = Field(16, gt=0)
+    in_chans: int = Field(3, gt=0)
+    embed_dim: int = Field(768, gt=0)
+    depth: int = Field(12, gt=0)
+    num_heads: int = Field(12, gt=0)
+    decoder_embed_dim: int = Field(512, gt=0)
+    decoder_depth: int = Field(4, gt=0)
+    decoder_num_heads: int = Field(16, gt=0)
+    mlp_ratio: float = Field(4.0, gt=0)
+    mask_ratio: float = 0.75
+    norm_pix_loss: bool = False
+
+    @field_validator("mask_ratio")
+    @classmethod
+    def _mask_ratio_open_interval(cls, value: float) -> float:
+        if not 0.0 < value < 1.0:
+            raise ValueError(f"must lie strictly between 0 and 1, got {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _shapes_fit(self) -> "ModelConfig":
+        if self.img_size % self.patch_size:
+            raise ValueError(f"img_size {self.img_size} is not a multiple of patch_size {self.patch_size}")
+        if self.embed_dim % self.num_heads:
+            raise ValueError(f"embed_dim {self.embed_dim} is not a multiple of num_heads {self.num_heads}")
+        if self.decoder_embed_dim % self.decoder_num_heads:
+            raise ValueError(
+                f"decoder_embed_dim {self.decoder_embed_dim} is not a multiple of "
+                f"decoder_num_heads {self.decoder_num_heads}"
+            )
+        return self
+
+    @property
+    def num_patches(self) -> int:
+        return (self.img_size // self.patch_size) ** 2
+
+
+class PrivacyConfig(_Frozen):
+    """DP-SGD settings for the private stage. σ is calibrated to ``target_epsilon`` unless given."""
+
+    enabled: bool = True
+    target_epsilon: float = Field(8.0, gt=0)
+    delta: float | None = Field(None, gt=0, lt=1, description="None: 1/(2N) for the measured N")
+    max_grad_norm: float = Field(0.1, gt=0)
+    noise_multiplier: float | None = Field(None, description="None: calibrated by the accountant")
+    accountant: Accountant = "prv"
+
+    @field_validator("noise_multiplier")
+    @classmethod
+    def _sigma_not_negative(cls, value: float | None) -> float | None:
+        if value is not None and value < 0:
+            raise ValueError(f"must be >= 0, got {value}")
+        return value
+
+
+class IngestConfig(_Frozen):
+    """Web-image ingestion: download, filter, deduplicate, decontaminate."""
+
+    image_size: int = Field(256, gt=0)
+    processes: int = Field(1, gt=0)
+    threads: int = Field(8, gt=0)
+    timeout_s: float = Field(5.0, gt=0)
+    min_side: int = Field(32, ge=1)
+    max_aspect_ratio: float = Field(3.0, ge=1.0)
+    drop_nsfw: bool = True
+    conditions: tuple[str, ...] = Field((), description="extra row filters, e.g. 'similarity >= 0.28'")
+    phash_max_distance: int = Field(4, ge=0, le=64)
+    decontaminate_max_distance: int = Field(6, ge=0, le=64)
+    respect_noai: bool = True
+    samples_per_shard: int = Field(1000, gt=0)
+
+
+class RenderConfig(_Frozen):
+    """Synthetic images from procedural shader programs (Shaders21k-style)."""
+
+    num_images: int = Field(2000, gt=0)
+    size: int = Field(64, gt=0)
+    seed: int = 0
+    mixup: int = Field(0, ge=0, description="K > 1: convex mixup of K images (Shaders21k-6mixup: 6)")
+    workers: int = Field(1, gt=0)
+    samples_per_shard: int = Field(1000, gt=0)
+
+
+class DataConfig(_Frozen):
+    """Where the data comes from and how it is prepared."""
+
+    ingest: IngestConfig = IngestConfig()
+    render: RenderConfig = RenderConfig()
+    loader_workers: int = Field(0, ge=0)
+
+
+class TrainingConfig(_Frozen):
+    """One pre-training stage. Steps are logical steps (one per logical batch)."""
+
+    batch_size: int = Field(4096, gt=0, description="expected logical batch size B; q = B / N")
+    physical_batch_size: int = Field(64, gt=0, description="microbatch bound, for memory only")
+    steps: int = Field(100, gt=0)
+    lr: float | None = Field(None, gt=0, description="None: base_lr * batch_size / 256")
+    base_lr: float = Field(1.5e-4, gt=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = Field(0.05, ge=0)
+    warmup_steps: int = Field(0, ge=0)
+    schedule: Literal["cosine", "constant"] = "cosine"
+    min_lr: float = Field(0.0, ge=0)
+    seed: int = 0
+    checkpoint_every: int = Field(50, gt=0)
+    num_workers: int = Field(1, gt=0, description="Ray Train workers")
+    cpus_per_worker: float = Field(1.0, gt=0)
+    use_gpu: bool = False
+    precision: Literal["fp32", "bf16"] = "fp32"
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, value: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in value):
+            raise ValueError(f"each beta must lie in [0, 1), got {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _warmup_fits(self) -> "TrainingConfig":
+        if self.warmup_steps > self.steps:
+            raise ValueError(f"warmup_steps {self.warmup_steps} exceeds steps {self.steps}")
+        return self
+
+    @property
+    def peak_lr(self) -> float:
+        return self.lr if self.lr is not None else self.base_lr * self.batch_size / 256
+
+
+class EvaluationConfig(_Frozen):
+    """Downstream jobs. Evaluation data is public: it is not covered by the privacy guarantee."""
+
+    tasks: tuple[Literal["linprobe", "finetune", "fewshot", "coco", "ade20k"], ...] = EVAL_TASKS
+    linprobe_last_blocks: int = Field(4, gt=0)
+    linprobe_epochs: int = Field(10, gt=0)
+    linprobe_lr: float = Field(0.1, gt=0)
+    finetune_epochs: int = Field(5, gt=0)
+    finetune_lr: float = Field(1e-3, gt=0)
+    layer_decay: float = Field(0.75, gt=0, le=1)
+    fewshot_shots: tuple[int, ...] = (1, 5, 10)
+    fewshot_seeds: int = Field(3, gt=0)
+    batch_size: int = Field(64, gt=0)
+    detection_epochs: int = Field(2, gt=0)
+    segmentation_epochs: int = Field(2, gt=0)
+    seed: int = 0
+
+
+class VipConfig(_Frozen):
+    """A whole pipeline run: model, data, the two pre-training stages, privacy and evaluation."""
+
+    name: str = "vip"
+    model: ModelConfig = ModelConfig()
+    privacy: PrivacyConfig = PrivacyConfig()
+    data: DataConfig = DataConfig()
+    synthetic: TrainingConfig = TrainingConfig()
+    private: TrainingConfig = TrainingConfig()
+    evaluation: EvaluationConfig = EvaluationConfig()
+
+    @model_validator(mode="after")
+    def _stage_batches(self) -> "VipConfig":
+        for stage in ("synthetic", "private"):
+            training: TrainingConfig = getattr(self, stage)
+            if training.physical_batch_size > training.batch_size:
+                raise ValueError(
+                    f"{stage}.physical_batch_size {training.physical_batch_size} exceeds "
+                    f"{stage}.batch_size {training.batch_size}"
+                )
+        return self
+
+
+# ----------------------------------------------------------------------------------------------- presets
+
+_DECODER = dict(decoder_embed_dim=512, decoder_depth=4, decoder_num_heads=16)
+
+
+def _paper_model(embed_dim: int, depth: int = 12, num_heads: int = 12) -> ModelConfig:
+    return ModelConfig(img_size=224, patch_size=16, embed_dim=embed_dim, depth=depth, num_heads=num_heads, **_DECODER)
+
+
+def _paper_private_stage(**overrides: Any) -> TrainingConfig:
+    recipe = dict(
+        batch_size=98_304, physical_batch_size=128, steps=6_000, base_lr=1.5e-5, betas=(0.9, 0.95),
+        weight_decay=0.005, warmup_steps=120, schedule="cosine", checkpoint_every=100,
+        num_workers=8, use_gpu=True, precision="bf16",
+    )
+    return TrainingConfig(**{**recipe, **overrides})
+
+
+def _paper_synthetic_stage() -> TrainingConfig:
+    return TrainingConfig(
+        batch_size=4_096, physical_batch_size=256, steps=10_000, base_lr=1.5e-4, weight_decay=0.05,
+        warmup_steps=400, checkpoint_every=500, num_workers=8, use_gpu=True, precision="bf16",
+    )
+
+
+def _paper_preset(name: str, model: ModelConfig) -> VipConfig:
+    return VipConfig(
+        name=name,
+        model=model,
+        privacy=PrivacyConfig(target_epsilon=8.0, max_grad_norm=0.1, accountant="prv"),
+        data=DataConfig(ingest=IngestConfig(image_size=256), render=RenderConfig(num_images=21_000 * 50, size=256)),
+        synthetic=_paper_synthetic_stage(),
+        private=_paper_private_stage(),
+    )
+
+
+def tiny() -> VipConfig:
+    """A CPU demo: 32 px images, patch 4, a narrow shallow ViT; minutes on two cores."""
+    model = ModelConfig(
+        img_size=32, patch_size=4, embed_dim=64, depth=2, num_heads=4,
+        decoder_embed_dim=32, decoder_depth=1, decoder_num_heads=4, mask_ratio=0.75,
+    )
+    cpu_stage = dict(physical_batch_size=32, base_lr=1.5e-3, warmup_steps=2, checkpoint_every=5, cpus_per_worker=0.5)
+    return VipConfig(
+        name="tiny",
+        model=model,
+        privacy=PrivacyConfig(target_epsilon=8.0, max_grad_norm=1.0, accountant="prv"),
+        data=DataConfig(ingest=IngestConfig(image_size=32, min_side=16), render=RenderConfig(num_images=256, size=32)),
+        synthetic=TrainingConfig(batch_size=64, steps=20, **cpu_stage),
+        private=TrainingConfig(batch_size=64, steps=10, weight_decay=0.005, **cpu_stage),
+        evaluation=EvaluationConfig(
+            linprobe_epochs=5, finetune_epochs=2, fewshot_seeds=2, batch_size=64,
+            detection_epochs=1, segmentation_epochs=1, linprobe_last_blocks=2,
+        ),
+    )
+
+
+def vip_nano() -> VipConfig:
+    """ViP-Nano: 192-wide encoder."""
+    return _paper_preset("vip-nano", _paper_model(192))
+
+
+def vip_tiny() -> VipConfig:
+    """ViP-Tiny: 384-wide encoder."""
+    return _paper_preset("vip-tiny", _paper_model(384))
+
+
+def vip_small() -> VipConfig:
+    """ViP-Small: 576-wide encoder."""
+    return _paper_preset("vip-small", _paper_model(576))
+
+
+def vip_base() -> VipConfig:
+    """ViP-Base: 768-wide encoder, the paper's default."""
+    return _paper_preset("vip-base", _paper_model(768))
+
+
+def vip_large() -> VipConfig:
+    """ViP-Large: 1024-wide, 24-block encoder."""
+    return _paper_preset("vip-large", _paper_model(1024, depth=24, num_heads=16))
+
+
+def vip_base_paper() -> VipConfig:
+    """The published ViP-Base recipe: 224 px, patch 16, mask 0.75, DP-AdamW (0.9, 0.95), wd 0.005,
+    C = 0.1, B = 98,304, δ = 1/(2N), warmup then cosine, σ calibrated to ε = 8 for the measured N."""
+    return _paper_preset("vip-base-paper", _paper_model(768))
+
+
+PRESETS: dict[str, Callable[[], VipConfig]] = {
+    "tiny": tiny,
+    "vip-nano": vip_nano,
+    "vip-tiny": vip_tiny,
+    "vip-small": vip_small,
+    "vip-base": vip_base,
+    "vip-large": vip_large,
+    "vip-base-paper": vip_base_paper,
+}
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message names the field."""
+
+
+def get_preset(name: str) -> VipConfig:
+    """The preset called ``name``; an unknown name raises :class:`ConfigError` listing the known ones."""
+    try:
+        return PRESETS[name]()
+    except KeyError:
+        raise ConfigError(f"preset: unknown preset {name!r} (known: {', '.join(PRESETS)})") from None
+
+
+def with_overrides(config: VipConfig, overrides: dict[str, Any]) -> VipConfig:
+    """A copy of ``config`` with dotted-path ``overrides`` (``{"private.steps": 5}``), validated again."""
+    data = config.model_dump()
+    for dotted, value in overrides.items():
+        node = data
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            if not isinstance(node.get(key), dict):
+                raise ConfigError(f"{dotted}: no such field")
+            node = node[key]
+        if leaf not in node:
+            raise ConfigError(f"{dotted}: no such field")
+        node[leaf] = value
+    return validate_config(data)
+
+
+def validate_config(data: dict[str, Any]) -> VipConfig:
+    """Builds a :class:`VipConfig`, turning pydantic's report into a one-line :class:`ConfigError`."""
+    try:
+        return VipConfig.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(describe_validation_error(error)) from None
+
+
+def describe_validation_error(error: ValidationError) -> str:
+    """One line per problem, each led by the dotted field name: ``privacy.noise_multiplier: must be >= 0``."""
+    parts = []
+    for problem in error.errors():
+        field = ".".join(str(p) for p in problem["loc"]) or "config"
+        message = problem["msg"].removeprefix("Value error, ")
+        parts.append(f"{field}: {message}")
+    return "; ".join(parts)
+
+
+def flatten(config: BaseModel, prefix: str = "") -> dict[str, str]:
+    """Dotted-key string params for MLflow: ``{"privacy.max_grad_norm": "0.1", ...}``."""
+    flat: dict[str, str] = {}
+    for key, value in config.model_dump(mode="json").items():
+        _flatten_into(flat, f"{prefix}{key}", value)
+    return flat
+
+
+def _flatten_into(flat: dict[str, str], key: str, value: Any) -> None:
+    if isinstance(value, dict):
+        for child, child_value in value.items():
+            _flatten_into(flat, f"{key}.{child}", child_value)
+    else:
+        flat[key] = str(value)

@@ -1,0 +1,1 @@
+"""Datasets on disk: webdataset-format tar shards, image decoding and transforms."""
