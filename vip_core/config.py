@@ -94,6 +94,17 @@ class IngestConfig(_Frozen):
     decontaminate_max_distance: int = Field(6, ge=0, le=64)
     respect_noai: bool = True
     samples_per_shard: int = Field(1000, gt=0)
+    max_punsafe: float = Field(0.5, ge=0, le=1, description="drop_nsfw also drops rows with punsafe above this")
+    max_image_pixels: int = Field(89_478_485, gt=0, description="larger images are refused as decompression bombs")
+
+    @field_validator("conditions")
+    @classmethod
+    def _conditions_parse(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        from vip_core.data.filters import parse_condition
+
+        for text in value:
+            parse_condition(text)
+        return value
 
 
 class RenderConfig(_Frozen):
