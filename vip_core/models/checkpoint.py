@@ -1,0 +1,206 @@
+"""Checkpoints: our own (``{"model", "config", ...}``) and the released MAE/ViP ``.pth`` files.
+
+A checkpoint is ``torch.save({"model": state_dict, "config": VipConfig JSON dict, **extra})``; a
+pre-training directory holds one as ``checkpoint.pt``. The released MAE and ViP files are
+``{"model": state_dict}`` with no config, so loading one needs the model's :class:`ModelConfig`.
+Files are read with ``weights_only=True``: tensors, numbers, strings and containers (and the
+``argparse.Namespace`` that MAE's training script stores as ``args``), never arbitrary objects.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import pickle
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import torch
+from timm.models.vision_transformer import VisionTransformer
+from torch import nn
+
+from vip_core.config import ModelConfig, VipConfig, validate_config
+from vip_core.models.mae import GlobalPool, MaskedAutoencoderViT, build_encoder, build_mae, export_encoder
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_FILE = "checkpoint.pt"
+_SHOWN_KEYS = 8
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be read, or does not fit the model; the message names the file and keys."""
+
+
+def checkpoint_file(path: str | os.PathLike[str]) -> Path:
+    """``path`` itself, or ``path/checkpoint.pt`` when ``path`` is a directory."""
+    path = Path(path)
+    return path / CHECKPOINT_FILE if path.is_dir() else path
+
+
+def save_checkpoint(path: str | os.PathLike[str], *, model: nn.Module, config: VipConfig, **extra: Any) -> Path:
+    """Writes ``{"model": state_dict, "config": config JSON dict, **extra}`` atomically.
+
+    The file appears whole or not at all: it is written next to the target and renamed over it.
+
+    Args:
+        path: the file, or a directory to hold ``checkpoint.pt``.
+        model: the model; a wrapper with ``.module`` or ``._module`` (DDP, Opacus) is unwrapped so
+            the keys are the bare model's.
+        config: the run's configuration.
+        **extra: further entries (step, optimizer state, ledger, ...): tensors, numbers, strings and
+            containers of them, so :func:`load_checkpoint` can read them back safely.
+
+    Returns:
+        The file written.
+    """
+    if not isinstance(config, VipConfig):
+        raise TypeError(f"save_checkpoint: config must be a VipConfig, got {type(config).__name__}")
+    target = checkpoint_file(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"model": _unwrap(model).state_dict(), "config": config.model_dump(mode="json"), **extra}
+    partial_file = target.with_name(f".{target.name}.{os.getpid()}.partial")
+    try:
+        torch.save(payload, partial_file)
+        os.replace(partial_file, target)
+    finally:
+        partial_file.unlink(missing_ok=True)
+    logger.info("saved checkpoint %s", target)
+    return target
+
+
+def load_checkpoint(path: str | os.PathLike[str], map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Reads a checkpoint file, or ``checkpoint.pt`` in a directory.
+
+    A bare state dict (a file holding only the model's tensors) is returned as ``{"model": it}``.
+
+    Raises:
+        FileNotFoundError: nothing is there.
+        CheckpointError: the file is not a checkpoint torch can read safely, or holds no model.
+    """
+    file = checkpoint_file(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"checkpoint not found: {file}")
+    try:
+        with torch.serialization.safe_globals([argparse.Namespace]):
+            payload = torch.load(file, map_location=map_location, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise CheckpointError(f"{file}: not a readable checkpoint ({reason})") from None
+    if isinstance(payload, dict) and payload and all(isinstance(v, torch.Tensor) for v in payload.values()):
+        payload = {"model": payload}
+    if not isinstance(payload, dict) or not isinstance(payload.get("model"), Mapping):
+        found = sorted(payload) if isinstance(payload, dict) else type(payload).__name__
+        raise CheckpointError(f"{file}: no 'model' state dict in the checkpoint (found {found})")
+    return payload
+
+
+def load_mae(path: str | os.PathLike[str], model_config: ModelConfig | None = None) -> MaskedAutoencoderViT:
+    """The MAE stored in a checkpoint, on the CPU, every key matched.
+
+    Args:
+        path: our checkpoint (file or directory), or a released MAE/ViP ``.pth`` holding the full
+            autoencoder (decoder included).
+        model_config: the model's size; taken from the checkpoint when None, required for released files.
+
+    Raises:
+        CheckpointError: no configuration, or missing, unexpected or misshapen keys (named in the message).
+    """
+    payload = load_checkpoint(path)
+    mae = build_mae(_model_config(payload, model_config, path))
+    load_state_dict_exactly(mae, payload["model"], source=str(checkpoint_file(path)))
+    return mae
+
+
+def load_encoder(
+    path: str | os.PathLike[str],
+    model_config: ModelConfig | None = None,
+    num_classes: int = 0,
+    global_pool: GlobalPool = "token",
+) -> VisionTransformer:
+    """The encoder stored in a checkpoint, as a timm ``VisionTransformer`` (see :func:`export_encoder`).
+
+    Args:
+        path: a checkpoint holding a full MAE (ours or released), or a released encoder-only file
+            (MAE's ``mae_pretrain_vit_*.pth``: the encoder's keys and no decoder).
+        model_config: the model's size; taken from the checkpoint when None, required for released files.
+        num_classes: classifier outputs; 0 gives no head. A head is freshly initialised unless the
+            file holds one of the same shape.
+        global_pool: ``"token"`` (class token) or ``"avg"`` (mean of the patch tokens).
+
+    Raises:
+        CheckpointError: no configuration, or keys that do not fit (named in the message).
+    """
+    payload = load_checkpoint(path)
+    config = _model_config(payload, model_config, path)
+    state = payload["model"]
+    source = str(checkpoint_file(path))
+    if "decoder_embed.weight" in state:
+        mae = build_mae(config)
+        load_state_dict_exactly(mae, state, source=source)
+        return export_encoder(mae, num_classes=num_classes, global_pool=global_pool)
+    vit = build_encoder(config, num_classes=num_classes, global_pool=global_pool)
+    load_state_dict_exactly(vit, state, source=source, optional_prefixes=("head.",))
+    return vit
+
+
+def load_state_dict_exactly(
+    module: nn.Module,
+    state: Mapping[str, torch.Tensor],
+    *,
+    source: str,
+    optional_prefixes: tuple[str, ...] = (),
+) -> None:
+    """Loads ``state`` into ``module`` only if every key matches in name and shape.
+
+    Args:
+        module: the model to fill.
+        state: the state dict to load.
+        source: where ``state`` came from, for the error message.
+        optional_prefixes: keys of ``module`` under these prefixes may be absent from ``state``
+            (they keep their initial values).
+
+    Raises:
+        CheckpointError: naming the missing, unexpected and misshapen keys.
+    """
+    expected = module.state_dict()
+    missing = sorted(k for k in expected.keys() - state.keys() if not k.startswith(optional_prefixes))
+    unexpected = sorted(state.keys() - expected.keys())
+    misshapen = sorted(
+        f"{key} {tuple(state[key].shape)} vs model {tuple(expected[key].shape)}"
+        for key in expected.keys() & state.keys()
+        if tuple(state[key].shape) != tuple(expected[key].shape)
+    )
+    problems = [
+        f"{label}: {_summarise(keys)}"
+        for label, keys in (("missing keys", missing), ("unexpected keys", unexpected), ("shape mismatch", misshapen))
+        if keys
+    ]
+    if problems:
+        raise CheckpointError(f"{source} does not fit the model: {'; '.join(problems)}")
+    module.load_state_dict(dict(state), strict=not optional_prefixes)
+
+
+def _model_config(payload: Mapping[str, Any], model_config: ModelConfig | None, path: str | os.PathLike[str]) -> ModelConfig:
+    if model_config is not None:
+        return model_config
+    if "config" not in payload:
+        raise CheckpointError(
+            f"{checkpoint_file(path)} holds no config (a released MAE/ViP .pth?): pass model_config"
+        )
+    return validate_config(payload["config"]).model
+
+
+def _summarise(keys: Iterable[str]) -> str:
+    keys = list(keys)
+    shown = ", ".join(keys[:_SHOWN_KEYS])
+    return shown if len(keys) <= _SHOWN_KEYS else f"{shown} and {len(keys) - _SHOWN_KEYS} more"
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    while True:
+        inner = getattr(model, "module", None) or getattr(model, "_module", None)
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
