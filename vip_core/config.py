@@ -116,6 +116,10 @@ class RenderConfig(_Frozen):
     mixup: int = Field(0, ge=0, description="K > 1: convex mixup of K images (Shaders21k-6mixup: 6)")
     workers: int = Field(1, gt=0)
     samples_per_shard: int = Field(1000, gt=0)
+    images_per_program: int = Field(
+        50, gt=0, description="images rendered per compiled program draw (Shaders21k: 21k programs x 50)"
+    )
+    num_programs: int = Field(21_000, gt=0, description="size of the generator's program pool")
 
 
 class DataConfig(_Frozen):
@@ -252,7 +256,10 @@ def tiny() -> VipConfig:
         name="tiny",
         model=model,
         privacy=PrivacyConfig(target_epsilon=8.0, max_grad_norm=1.0, accountant="prv"),
-        data=DataConfig(ingest=IngestConfig(image_size=32, min_side=16), render=RenderConfig(num_images=256, size=32)),
+        data=DataConfig(
+            ingest=IngestConfig(image_size=32, min_side=16),
+            render=RenderConfig(num_images=256, size=32, images_per_program=8),
+        ),
         synthetic=TrainingConfig(batch_size=64, steps=20, **cpu_stage),
         private=TrainingConfig(batch_size=64, steps=10, weight_decay=0.005, **cpu_stage),
         evaluation=EvaluationConfig(
