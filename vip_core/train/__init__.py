@@ -1,0 +1,1 @@
+"""Training: data, distributed helpers, the step, the loop, schedules."""
