@@ -7,6 +7,7 @@ endpoints for each bad case ingestion must survive::
     /photos/photo-00042.jpg     a photograph (made on first request, then cached under the root)
     /noai/photo-00042.jpg       the same, with ``X-Robots-Tag: noai``
     /redirect/photo-00042.jpg   a 302 to the photograph
+    /resized/photo-00042.jpg    the photograph at 85% size, JPEG quality 60 (a near duplicate)
     /slow/photo-00042.jpg       the photograph after ``slow_s`` seconds, or at once after ``release``
     /loop.jpg                   a redirect to itself
     /status/404.jpg             that HTTP status (any code)
@@ -83,6 +84,15 @@ def photo_bytes(index: int, max_side: int = 160) -> bytes:
     """Photograph ``index`` as JPEG bytes."""
     buffer = io.BytesIO()
     sample_photo(index, max_side).save(buffer, format="JPEG", quality=90)
+    return buffer.getvalue()
+
+
+def near_duplicate_bytes(jpeg: bytes) -> bytes:
+    """The image scaled to 85% and saved again at JPEG quality 60: a near duplicate, not an exact one."""
+    with Image.open(io.BytesIO(jpeg)) as image:
+        smaller = image.resize((round(image.width * 0.85), round(image.height * 0.85)), Image.BICUBIC)
+    buffer = io.BytesIO()
+    smaller.save(buffer, format="JPEG", quality=60)
     return buffer.getvalue()
 
 
@@ -221,6 +231,8 @@ def _handler_class(web: SampleWeb) -> type[BaseHTTPRequestHandler]:
             if first == "slow":
                 web.release.wait(web.slow_s)
                 return self._send(photo, "image/jpeg")
+            if first == "resized":
+                return self._send(near_duplicate_bytes(photo), "image/jpeg")
             if first == "cut":
                 return self._send(photo[: len(photo) * 6 // 10], "image/jpeg")
             if first == "hangup":
