@@ -1,0 +1,1 @@
+"""Synthetic images from procedural Shadertoy programs (Shaders21k-style): generator, renderer, mixup."""
