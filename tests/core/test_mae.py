@@ -160,6 +160,7 @@ def test_tokens_train_and_position_embeddings_stay_fixed(mae):
     mae.zero_grad()
 
 
+@pytest.mark.filterwarnings("ignore:There is a performance drop")  # no vmap rule for CPU fused attention
 def test_per_sample_gradients_under_vmap_match_one_at_a_time(mae):
     """What a DP engine does: vmap a single-sample gradient over the batch, masking noise passed in."""
     imgs, noise = images(3), torch.rand(3, mae.num_patches)
@@ -241,3 +242,16 @@ def test_build_encoder_is_a_fresh_encoder_of_the_same_size(mae):
     }
     torch.testing.assert_close(vit.pos_embed, mae.pos_embed)
     assert not torch.equal(vit.blocks[0].attn.qkv.weight, exported.blocks[0].attn.qkv.weight)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_bf16_forward_with_a_cpu_generator_masks_as_on_cpu(mae):
+    cuda_model = build_mae(TINY).cuda()
+    cuda_model.load_state_dict(mae.state_dict())
+    imgs = images(4)
+    _, _, cpu_mask = mae(imgs, generator=torch.Generator().manual_seed(3))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss, _, cuda_mask = cuda_model(imgs.cuda(), generator=torch.Generator().manual_seed(3))
+    assert loss.dtype == torch.float32 and torch.isfinite(loss).all()
+    assert torch.equal(cuda_mask.float().cpu(), cpu_mask)

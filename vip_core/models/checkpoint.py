@@ -199,8 +199,9 @@ def _summarise(keys: Iterable[str]) -> str:
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
-    while True:
-        inner = getattr(model, "module", None) or getattr(model, "_module", None)
-        if not isinstance(inner, nn.Module):
-            return model
-        model = inner
+    """The bare model inside DDP (``.module``) and Opacus (``._module``) wrappers."""
+    for attribute in ("module", "_module"):
+        inner = getattr(model, attribute, None)
+        if isinstance(inner, nn.Module):
+            return _unwrap(inner)
+    return model
