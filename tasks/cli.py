@@ -18,6 +18,8 @@ from vip_core.env import configure_environment
 
 COMMAND_MODULES = (
     "tasks.commands.privacy",
+    "tasks.commands.render",
+    "tasks.commands.ingest",
 )
 
 

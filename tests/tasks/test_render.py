@@ -1,0 +1,158 @@
+"""The render stage and ``vip render``: shards, manifest, stats, determinism, resuming, program folders.
+
+Real GL (moderngl through EGL), 32 px, a few dozen images.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from tasks.cli import main
+from tasks.render import run_render, write_contact_sheet
+from vip_core.config import get_preset, with_overrides
+from vip_core.data.shards import count_samples, iter_samples, list_shards, sample_image
+
+ROOT = Path(__file__).resolve().parents[2]
+
+GOOD = "void mainImage(out vec4 c, in vec2 f) { c = vec4(f / iResolution.xy, 0.5 + 0.5 * sin(iTime), 1.0); }"
+BLACK = "void mainImage(out vec4 c, in vec2 f) { c = vec4(0.0, 0.0, 0.0, 1.0); }"
+BROKEN = "void mainImage(out vec4 c, in vec2 f) { c = not_declared; }"
+MULTIPASS = "void mainImage(out vec4 c, in vec2 f) { c = texture(iChannel0, f / iResolution.xy); }"
+
+
+def _config(**render):
+    settings = {"num_images": 24, "size": 32, "images_per_program": 4, "samples_per_shard": 8, **render}
+    return with_overrides(get_preset("tiny"), {f"data.render.{key}": value for key, value in settings.items()})
+
+
+def _digests(folder: Path) -> dict[str, str]:
+    return {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in list_shards(folder, "shard")}
+
+
+def _manifest(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "manifest.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory):
+    output = tmp_path_factory.mktemp("render") / "synthetic"
+    return output, run_render(_config(), output)
+
+
+def test_render_writes_shards_manifest_and_stats(rendered):
+    output, result = rendered
+    assert result["images"] == 24 and result["shards"] == 3 and result["rendered_shards"] == 3
+    assert count_samples(list_shards(output, "shard")) == 24
+    samples = list(iter_samples(list_shards(output, "shard")))
+    keys = [sample["__key__"] for sample in samples]
+    assert sorted(keys) == [f"{i:09d}" for i in range(24)]
+    for sample in samples:
+        image = np.asarray(sample_image(sample))
+        assert image.shape == (32, 32, 3) and image.std() > 4.0
+        assert sample["json"]["program"].startswith("gen-") and 0.1 <= sample["json"]["time"] <= 10.0
+    manifest = _manifest(output)
+    assert [record["key"] for record in manifest] == keys
+    assert all(record["seed"] == 0 for record in manifest)
+    assert len({record["program"] for record in manifest}) >= 6  # 4 images per program draw
+    stats = json.loads((output / "stats.json").read_text())
+    assert stats["images"] == 24 and stats["programs"] == "generator"
+
+
+def test_render_is_deterministic_across_worker_counts_and_differs_by_seed(rendered, tmp_path):
+    output, _ = rendered
+    again = run_render(_config(workers=2), tmp_path / "two-workers")
+    assert again["images"] == 24
+    assert _digests(tmp_path / "two-workers") == _digests(output)
+    run_render(_config(seed=1), tmp_path / "seed-1")
+    assert set(_digests(tmp_path / "seed-1").values()).isdisjoint(_digests(output).values())
+
+
+def test_a_killed_render_resumes_without_redoing_or_duplicating(rendered, tmp_path):
+    reference, _ = rendered
+    output = tmp_path / "killed"
+    script = (
+        "from tasks.render import run_render; from tests.tasks.test_render import _config; "
+        f"run_render(_config(), {str(output)!r})"
+    )
+    process = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT)
+    deadline = time.monotonic() + 120
+    while not (output / "shard-000000.tar").exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    finished_before = set(_digests(output))
+    assert "shard-000000.tar" in finished_before
+    mtimes = {name: os.stat(output / name).st_mtime_ns for name in finished_before}
+
+    result = run_render(_config(), output)
+    assert result["resumed_shards"] == len(finished_before)
+    assert result["rendered_shards"] == 3 - len(finished_before)
+    assert {name: os.stat(output / name).st_mtime_ns for name in finished_before} == mtimes  # not redone
+    assert _digests(output) == _digests(reference)
+    keys = [record["key"] for record in _manifest(output)]
+    assert len(keys) == len(set(keys)) == 24
+    assert not list(output.glob(".tmp-*")) and not list(output.glob("*.partial"))
+
+
+def test_other_settings_in_the_same_folder_are_refused(rendered):
+    output, _ = rendered
+    before = _digests(output)
+    with pytest.raises(ValueError, match="size 32 -> 48"):
+        run_render(_config(size=48), output)
+    assert _digests(output) == before
+
+
+def test_program_folder_skips_what_cannot_render_and_counts_why(tmp_path):
+    shaders = tmp_path / "shaders"
+    (shaders / "nested").mkdir(parents=True)
+    (shaders / "good.frag").write_text(GOOD)
+    (shaders / "black.frag").write_text(BLACK)
+    (shaders / "nested" / "broken.glsl").write_text(BROKEN)
+    (shaders / "buffer.frag").write_text(MULTIPASS)
+    (shaders / "README.txt").write_text("not a program")
+    result = run_render(_config(num_images=8, images_per_program=1), tmp_path / "out", shaders=shaders)
+    assert result["images"] == 8
+    assert result["excluded_programs"] == {"multipass": 1}
+    assert result["skipped"]["compile_error"] >= 1 and result["skipped"]["constant"] >= 1
+    assert {record["program"] for record in _manifest(tmp_path / "out")} == {"good.frag"}
+
+
+def test_mixup_records_convex_components(tmp_path):
+    result = run_render(_config(num_images=8, mixup=3, samples_per_shard=8), tmp_path / "mixed")
+    assert result["images"] == 8
+    for record in _manifest(tmp_path / "mixed"):
+        weights = [component["weight"] for component in record["components"]]
+        assert len(weights) == 3 and min(weights) >= 0 and sum(weights) == pytest.approx(1.0)
+        assert all(component["program"].startswith("gen-") for component in record["components"])
+
+
+def test_vip_render_command_and_contact_sheet(tmp_path, capsys):
+    sheet = tmp_path / "sheet.png"
+    code = main([
+        "render", "--out", str(tmp_path / "cli"), "--num-images", "16", "--size", "32", "--seed", "5",
+        "--samples-per-shard", "16", "--contact-sheet", str(sheet),
+    ])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["images"] == 16 and result["contact_sheet"] == str(sheet)
+    assert Image.open(sheet).size == (8 * 34 + 2, 2 * 34 + 2)
+    assert write_contact_sheet(tmp_path / "cli", tmp_path / "four.png", count=4)["images"] == 4
+
+
+def test_vip_render_bad_input_is_one_line(tmp_path, capsys):
+    assert main(["render", "--out", str(tmp_path / "bad"), "--size", "0"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("vip render: error:") and "data.render.size" in error and "\n" not in error
+    assert main(["render", "--out", str(tmp_path / "bad"), "--shaders", str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
