@@ -1,0 +1,303 @@
+"""The DP engine against a one-sample-at-a-time reference: exact clipped sums, noise, refusals."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from timm.models.vision_transformer import VisionTransformer
+
+from vip_core.config import get_preset
+from vip_core.models.mae import build_mae
+from vip_core.privacy import per_sample
+from vip_core.privacy.engine import UnsupportedLayerError, privatized_gradients
+
+
+def reference_clipped_sum(model, loss_fn, inputs, max_grad_norm):
+    """Σᵢ clip(gᵢ, C) computed one sample at a time with plain autograd."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    total = [torch.zeros_like(p, dtype=torch.float64) for p in params]
+    size = next(iter(inputs.values())).shape[0] if isinstance(inputs, dict) else inputs.shape[0]
+    for i in range(size):
+        one = {k: v[i : i + 1] for k, v in inputs.items()} if isinstance(inputs, dict) else inputs[i : i + 1]
+        grads = torch.autograd.grad(loss_fn(model, one).sum(), params, allow_unused=True)
+        grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)]
+        norm = math.sqrt(sum(float(g.double().square().sum()) for g in grads))
+        factor = min(1.0, max_grad_norm / (norm + 1e-6))
+        for acc, g in zip(total, grads):
+            acc += factor * g.double()
+    return total
+
+
+def engine_grads(model, loss_fn, inputs, max_grad_norm, expected=1.0, physical=None):
+    privatized_gradients(
+        model, loss_fn, inputs, max_grad_norm=max_grad_norm, noise_multiplier=0.0,
+        expected_batch_size=expected, physical_batch_size=physical,
+    )
+    return [p.grad.double() for p in model.parameters() if p.requires_grad]
+
+
+def assert_matches_reference(model, loss_fn, inputs, max_grad_norm, physical=None):
+    expected = reference_clipped_sum(model, loss_fn, inputs, max_grad_norm)
+    got = engine_grads(model, loss_fn, inputs, max_grad_norm, physical=physical)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    scale = max(float(e.abs().max()) for e in expected)
+    for name, e, g in zip(names, expected, got):
+        assert torch.allclose(g, e, atol=1e-5 * scale, rtol=1e-4), f"{name}: max err {float((g - e).abs().max())}"
+
+
+# ------------------------------------------------------------------------------------------------ models
+
+
+class MixedNet(nn.Module):
+    """Conv (padding, stride, dilation, groups, reflect padding), in-place ReLU, LayerNorm, a Linear called
+    twice, a plain token owned by a child module, a 2-D Linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1, stride=2)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=2, dilation=2, groups=4, padding_mode="reflect")
+        self.relu = nn.ReLU(inplace=True)
+        self.norm = nn.LayerNorm(8)
+        self.shared = nn.Linear(8, 8)
+        self.tokens = nn.Module()
+        self.tokens.bias_token = nn.Parameter(torch.randn(1, 1, 8) * 0.1)
+        self.head = nn.Linear(8, 4, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.relu(self.conv1(x))  # x: [N, 8, 4, 4]
+        x = self.conv2(x).flatten(2).transpose(1, 2)  # x: [N, 16, 8]
+        x = self.norm(x) + self.tokens.bias_token
+        x = self.shared(torch.tanh(self.shared(x)))  # x: [N, 16, 8]
+        return self.head(x.mean(1))  # [N, 4]
+
+
+class TokenNet(nn.Module):
+    """Embedding with padding_idx and repeated indices into a Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 6, padding_idx=0)
+        self.out = nn.Linear(6, 1)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.embed(tokens))).sum((1, 2))  # [N]
+
+
+def classification_loss(model, inputs):
+    return F.cross_entropy(model(inputs["x"]), inputs["y"], reduction="none")
+
+
+def tiny_vit() -> VisionTransformer:
+    return VisionTransformer(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=4, num_classes=3)
+
+
+def mae_loss(model, inputs):
+    return model(inputs["imgs"], noise=inputs["noise"])[0]
+
+
+def tiny_mae():
+    return build_mae(get_preset("tiny").model)
+
+
+def mae_inputs(n: int, seed: int = 0) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    return {"imgs": torch.randn(n, 3, 32, 32, generator=gen), "noise": torch.rand(n, 64, generator=gen)}
+
+
+# ------------------------------------------------------------------------------------------------ exactness
+
+
+@pytest.mark.parametrize("materialise", [None, True, False], ids=["auto", "materialise", "ghost"])
+def test_timm_vit_gives_the_exact_clipped_sum(monkeypatch, materialise):
+    if materialise is not None:
+        monkeypatch.setattr(per_sample, "materialise_is_cheaper", lambda *_: materialise)
+    torch.manual_seed(0)
+    inputs = {"x": torch.randn(6, 3, 16, 16), "y": torch.randint(0, 3, (6,))}
+    assert_matches_reference(tiny_vit(), classification_loss, inputs, max_grad_norm=0.05, physical=4)
+
+
+def test_mae_gives_the_exact_clipped_sum_with_its_tokens():
+    torch.manual_seed(0)
+    mae = tiny_mae()
+    trainable = {n for n, p in mae.named_parameters() if p.requires_grad}
+    assert {"cls_token", "mask_token"} <= trainable
+    assert_matches_reference(mae, mae_loss, mae_inputs(5), max_grad_norm=0.5, physical=3)
+
+
+@pytest.mark.parametrize("materialise", [True, False], ids=["materialise", "ghost"])
+def test_conv_layernorm_shared_linear_and_child_token(monkeypatch, materialise):
+    monkeypatch.setattr(per_sample, "materialise_is_cheaper", lambda *_: materialise)
+    torch.manual_seed(0)
+    inputs = {"x": torch.randn(5, 3, 8, 8), "y": torch.randint(0, 4, (5,))}
+    assert_matches_reference(MixedNet(), classification_loss, inputs, max_grad_norm=0.1)
+
+
+def test_embedding_with_padding_and_repeated_indices():
+    torch.manual_seed(0)
+    tokens = torch.tensor([[1, 1, 2, 0], [3, 0, 0, 3], [4, 5, 6, 7], [2, 2, 2, 2]])
+    assert_matches_reference(TokenNet(), lambda m, t: m(t), tokens, max_grad_norm=0.2)
+
+
+def test_linear_on_two_and_four_dimensional_inputs():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.GELU(), nn.Linear(6, 2))
+    flat, deep = torch.randn(4, 5), torch.randn(4, 3, 2, 5)
+    assert_matches_reference(model, lambda m, x: m(x).sum(-1), flat, max_grad_norm=0.3)
+    assert_matches_reference(model, lambda m, x: m(x).flatten(1).sum(-1), deep, max_grad_norm=0.3)
+
+
+def test_microbatch_size_does_not_change_the_result():
+    torch.manual_seed(0)
+    vit, inputs = tiny_vit(), {"x": torch.randn(7, 3, 16, 16), "y": torch.randint(0, 3, (7,))}
+    whole = engine_grads(vit, classification_loss, inputs, 0.05)
+    for physical in (1, 3):
+        parts = engine_grads(vit, classification_loss, inputs, 0.05, physical=physical)
+        assert all(torch.allclose(a, b, atol=1e-7) for a, b in zip(whole, parts))
+
+
+def test_every_parameter_kind_is_scaled_by_the_one_flat_factor():
+    torch.manual_seed(0)
+    mae, inputs = tiny_mae(), mae_inputs(1)
+    params = [p for p in mae.parameters() if p.requires_grad]
+    raw = torch.autograd.grad(mae_loss(mae, inputs).sum(), params)
+    norm = math.sqrt(sum(float(g.square().sum()) for g in raw))
+    clip = norm / 10
+    got = engine_grads(mae, mae_loss, inputs, clip)
+    assert math.sqrt(sum(float(g.square().sum()) for g in got)) == pytest.approx(clip, rel=1e-4)
+    for (name, _), g, r in zip([(n, p) for n, p in mae.named_parameters() if p.requires_grad], got, raw):
+        if float(r.abs().max()) > 0:
+            assert torch.allclose(g, r.double() / 10, rtol=1e-3, atol=1e-9 * norm), name
+
+
+def test_divides_by_the_expected_not_the_realised_batch_size():
+    torch.manual_seed(0)
+    vit, inputs = tiny_vit(), {"x": torch.randn(3, 3, 16, 16), "y": torch.randint(0, 3, (3,))}
+    summed = engine_grads(vit, classification_loss, inputs, 0.05, expected=1.0)
+    divided = engine_grads(vit, classification_loss, inputs, 0.05, expected=10.0)
+    assert all(torch.allclose(d * 10, s, atol=1e-9) for d, s in zip(divided, summed))
+
+
+def test_a_sample_with_a_non_finite_gradient_contributes_nothing():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3), nn.Linear(3, 1))
+    x = torch.randn(4, 4)
+    bad = x.clone()
+    bad[2] = float("inf")
+    loss = lambda m, b: m(b).sum(-1)  # noqa: E731
+    with_bad = engine_grads(model, loss, bad, 0.5)
+    without = engine_grads(model, loss, x[[0, 1, 3]], 0.5)
+    assert all(torch.isfinite(g).all() and torch.allclose(g, w, atol=1e-7) for g, w in zip(with_bad, without))
+
+
+# ------------------------------------------------------------------------------------------------ noise
+
+
+def test_empty_batch_gives_noise_with_std_sigma_c_over_b():
+    model = nn.Linear(100, 200)
+    sigma, clip, expected = 2.0, 0.5, 4.0
+    gen = torch.Generator().manual_seed(1)
+    privatized_gradients(
+        model, lambda m, x: m(x).sum(-1), torch.empty(0, 100), max_grad_norm=clip, noise_multiplier=sigma,
+        expected_batch_size=expected, generator=gen,
+    )
+    noise = torch.cat([model.weight.grad.flatten(), model.bias.grad])
+    assert noise.std().item() == pytest.approx(sigma * clip / expected, rel=0.03)
+    assert abs(noise.mean().item()) < 0.03 * sigma * clip / expected
+
+
+def test_noise_is_added_once_around_the_clipped_sum_and_follows_the_generator():
+    torch.manual_seed(0)
+    vit, inputs = tiny_vit(), {"x": torch.randn(4, 3, 16, 16), "y": torch.randint(0, 3, (4,))}
+    clean = engine_grads(vit, classification_loss, inputs, 0.05, expected=4.0)
+    noisy = []
+    for _ in range(2):
+        privatized_gradients(
+            vit, classification_loss, inputs, max_grad_norm=0.05, noise_multiplier=3.0, expected_batch_size=4.0,
+            physical_batch_size=1, generator=torch.Generator().manual_seed(7),
+        )
+        noisy.append(torch.cat([p.grad.flatten() for p in vit.parameters()]))
+    assert torch.equal(noisy[0], noisy[1])
+    residual = noisy[0].double() - torch.cat([c.flatten() for c in clean])
+    assert residual.std().item() == pytest.approx(3.0 * 0.05 / 4.0, rel=0.05)
+
+
+# ------------------------------------------------------------------------------------------------ per-sample randomness
+
+
+def test_mae_masks_are_independent_per_sample_across_microbatches():
+    mae, masks = tiny_mae(), []
+
+    def loss(model, imgs):
+        losses, _, mask = model(imgs)
+        masks.append(mask)
+        return losses
+
+    same_image = torch.randn(1, 3, 32, 32).expand(8, -1, -1, -1)
+    privatized_gradients(
+        mae, loss, same_image, max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=8, physical_batch_size=4
+    )
+    rows = torch.cat(masks)
+    assert rows.shape == (8, 64)
+    assert len({tuple(r.tolist()) for r in rows}) == 8
+
+
+# ------------------------------------------------------------------------------------------------ refusals
+
+
+class WithBatchNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return self.bn(self.conv(x)).mean((1, 2, 3))
+
+
+class RowParameter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return (x * self.scale).sum(-1)
+
+
+class TiedHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return F.linear(self.proj(x), self.proj.weight).sum(-1)
+
+
+@pytest.mark.parametrize(
+    ("model", "inputs", "named"),
+    [
+        (WithBatchNorm(), torch.randn(2, 3, 5, 5), "'bn'"),
+        (RowParameter(), torch.randn(2, 4), "'scale'"),
+        (TiedHead(), torch.randn(2, 4), "'proj'"),
+        (nn.MultiheadAttention(4, 2), torch.randn(2, 3, 4), "'in_proj_weight'"),
+    ],
+    ids=["batchnorm", "row-parameter", "tied-weight", "multihead-attention"],
+)
+def test_unsupported_layers_raise_an_error_naming_them(model, inputs, named):
+    def loss(m, x):
+        out = m(x, x, x)[0].sum((0, 2)) if isinstance(m, nn.MultiheadAttention) else m(x)
+        return out
+
+    with pytest.raises(UnsupportedLayerError, match=named):
+        privatized_gradients(model, loss, inputs, max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=2)
+
+
+def test_a_loss_that_is_not_per_sample_is_refused():
+    with pytest.raises(ValueError, match="one loss per sample"):
+        privatized_gradients(
+            nn.Linear(3, 1), lambda m, x: m(x).mean(), torch.randn(4, 3), max_grad_norm=1.0, noise_multiplier=1.0,
+            expected_batch_size=4,
+        )

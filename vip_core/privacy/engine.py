@@ -1,0 +1,450 @@
+"""The privatized gradient: per-sample clipping over all parameters, Gaussian noise, division by the
+expected batch size.
+
+:func:`privatized_gradients` sets each trainable parameter's ``.grad`` to
+
+    (Σᵢ clip(gᵢ, C) + N(0, σ²C²I)) / expected_batch_size
+
+where ``gᵢ`` is sample i's gradient over *all* trainable parameters (flat clipping), the noise is drawn once
+per call (never per microbatch) and the divisor is the public expected batch size, never the realised count.
+
+How it is fast (book-keeping): one forward, then one backward that asks autograd only for activation
+gradients, so no layer computes its weight gradient. Forward hooks keep each supported layer's input
+``A``; an identity autograd node after the layer hands its output gradient ``G`` to the layer's
+:class:`~vip_core.privacy.per_sample.Rule`, which computes per-sample norms (ghost norm or materialised,
+whichever is cheaper) and, once the clipping factors are known, the clipped sum with no second backward.
+Plain parameters of shape ``[1, ...]`` (cls/mask tokens, learnt position embeddings) are replaced during
+the forward by a per-sample stand-in ``[B, ...]`` whose gradient is per sample.
+
+What is refused, with an error naming the layer: a trainable parameter of any other layer type, a plain
+parameter whose leading dimension is not 1, batch normalisation in training mode (it mixes samples), a
+supported layer whose weight is also used outside its own forward (tied weights), an ``Embedding`` with
+``scale_grad_by_freq`` or ``sparse``, a layer input modified in place after the layer ran.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from vip_core.privacy.per_sample import RULES, PlainRule, Rule, Sums
+
+logger = logging.getLogger(__name__)
+
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+Inputs = torch.Tensor | Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
+
+CLIP_EPS = 1e-6
+# Subclasses whose own forward computes exactly their base layer's function of (input, weight, bias).
+EQUIVALENT_SUBCLASSES = frozenset({"timm.layers.norm.LayerNorm", "timm.layers.linear.Linear"})
+_CAST_NODES = ("ToCopyBackward0",)
+
+
+class UnsupportedLayerError(ValueError):
+    """A trainable layer or parameter the engine cannot clip per sample; the message names it."""
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one call saw. Data-dependent and NOT privatized: for monitoring only, never to release.
+
+    Attributes:
+        examples: the realised number of examples.
+        loss_sum: the sum of their losses.
+        clipped: how many had a gradient norm above the clipping bound.
+        non_finite: how many had a non-finite gradient (they contribute nothing).
+    """
+
+    examples: int
+    loss_sum: float
+    clipped: int
+    non_finite: int
+
+
+def privatized_gradients(
+    model: nn.Module,
+    loss_fn: LossFn,
+    inputs: Inputs,
+    *,
+    max_grad_norm: float,
+    noise_multiplier: float,
+    expected_batch_size: float,
+    physical_batch_size: int | None = None,
+    generator: torch.Generator | None = None,
+) -> StepStats:
+    """Sets ``.grad`` of every trainable parameter of ``model`` to the privatized mean gradient.
+
+    Args:
+        model: the model; every trainable parameter must belong to a supported layer (Linear, Conv2d,
+            LayerNorm, Embedding) or be a plain parameter with leading dimension 1.
+        loss_fn: ``loss_fn(model, inputs) -> [B]`` losses, one per sample, each depending on its own sample only.
+        inputs: a tensor, or a tuple/list/dict of tensors, all with the batch on dim 0 (may be empty).
+        max_grad_norm: the clipping bound C on each sample's gradient norm over all parameters.
+        noise_multiplier: σ; the noise standard deviation is σC (0 for no noise, e.g. on ranks other than 0).
+        expected_batch_size: the public expected logical batch size (q·N) the sum is divided by.
+        physical_batch_size: microbatch size bounding memory; the whole batch at once when None.
+        generator: the source of the noise; torch's default generator when None.
+
+    Returns:
+        Monitoring statistics of the batch (not private).
+    """
+    _check_arguments(max_grad_norm, noise_multiplier, expected_batch_size, physical_batch_size)
+    plan = plan_model(model)
+    sums: Sums = {p: torch.zeros_like(p) for p in plan.params}
+    total = _Totals()
+    for chunk in split_batch(inputs, physical_batch_size):
+        _add_microbatch(plan, model, loss_fn, chunk, max_grad_norm, sums, total)
+    for param in plan.params:
+        noisy = sums[param] + _gaussian(param, noise_multiplier * max_grad_norm, generator)
+        param.grad = noisy.div_(expected_batch_size)
+    return StepStats(total.examples, total.loss_sum, total.clipped, total.non_finite)
+
+
+def _check_arguments(
+    max_grad_norm: float, noise_multiplier: float, expected_batch_size: float, physical_batch_size: int | None
+) -> None:
+    if not max_grad_norm > 0:
+        raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm}")
+    if not noise_multiplier >= 0:
+        raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier}")
+    if not expected_batch_size > 0:
+        raise ValueError(f"expected_batch_size must be > 0, got {expected_batch_size}")
+    if physical_batch_size is not None and physical_batch_size <= 0:
+        raise ValueError(f"physical_batch_size must be > 0, got {physical_batch_size}")
+
+
+def _gaussian(param: nn.Parameter, std: float, generator: torch.Generator | None) -> torch.Tensor:
+    """One N(0, std²) draw per element of ``param``, from ``generator`` (on its own device)."""
+    if std == 0:
+        return torch.zeros_like(param)
+    device = generator.device if generator is not None else param.device
+    noise = torch.normal(0.0, std, size=param.shape, generator=generator, device=device, dtype=param.dtype)
+    return noise.to(param.device)
+
+
+# ------------------------------------------------------------------------------------------------ planning
+
+
+@dataclass
+class ModelPlan:
+    """Which rule covers which trainable parameter.
+
+    Attributes:
+        layers: ``(qualified name, module, rule factory)`` for each hooked layer.
+        plain: ``(qualified parameter name, parameter)`` for each plain parameter.
+        params: every trainable parameter, in ``model.named_parameters()`` order.
+    """
+
+    layers: list[tuple[str, nn.Module, Callable[[str, nn.Module], Rule]]]
+    plain: list[tuple[str, nn.Parameter]]
+    params: list[nn.Parameter]
+
+
+def plan_model(model: nn.Module) -> ModelPlan:
+    """Assigns every trainable parameter of ``model`` to a rule, or raises naming what cannot be handled.
+
+    Raises:
+        UnsupportedLayerError: for a layer or parameter the engine cannot clip per sample.
+    """
+    layers: list[tuple[str, nn.Module, Callable[[str, nn.Module], Rule]]] = []
+    plain: list[tuple[str, nn.Parameter]] = []
+    owners: dict[nn.Parameter, str] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        _reject_batch_norm(module_name, module)
+        trainable = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
+        for param_name, param in trainable.items():
+            qualified = f"{module_name}.{param_name}" if module_name else param_name
+            if param in owners:
+                raise UnsupportedLayerError(
+                    f"parameter '{qualified}' is the same tensor as '{owners[param]}': shared (tied) "
+                    "parameters cannot be clipped per sample"
+                )
+            owners[param] = qualified
+        if not trainable:
+            continue
+        factory = _supported_rule(module_name, module)
+        if factory is not None:
+            layers.append((module_name, module, factory))
+            continue
+        for param_name, param in trainable.items():
+            qualified = f"{module_name}.{param_name}" if module_name else param_name
+            _check_plain(qualified, module_name, module, param)
+            plain.append((qualified, param))
+    params = [p for p in model.parameters() if p.requires_grad]
+    return ModelPlan(layers, plain, params)
+
+
+def _reject_batch_norm(name: str, module: nn.Module) -> None:
+    if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training:
+        raise UnsupportedLayerError(
+            f"layer '{name or 'model'}' ({type(module).__name__}) mixes the samples of a batch in training "
+            "mode, which per-sample clipping cannot bound: use LayerNorm or GroupNorm"
+        )
+
+
+def _supported_rule(name: str, module: nn.Module) -> Callable[[str, nn.Module], Rule] | None:
+    """The rule factory for a supported layer whose forward is the stock one (or a known equivalent)."""
+    for layer_type, factory in RULES.items():
+        if isinstance(module, layer_type) and _stock_forward(type(module), layer_type):
+            if isinstance(module, nn.Embedding) and (module.scale_grad_by_freq or module.sparse):
+                raise UnsupportedLayerError(
+                    f"layer '{name}' (Embedding): scale_grad_by_freq and sparse gradients are not supported"
+                )
+            return factory
+    return None
+
+
+def _stock_forward(cls: type, layer_type: type) -> bool:
+    return cls.forward is layer_type.forward or f"{cls.__module__}.{cls.__qualname__}" in EQUIVALENT_SUBCLASSES
+
+
+def _check_plain(qualified: str, module_name: str, module: nn.Module, param: nn.Parameter) -> None:
+    if param.dim() >= 2 and param.shape[0] == 1:
+        return
+    raise UnsupportedLayerError(
+        f"cannot clip parameter '{qualified}' {list(param.shape)} of layer '{module_name or 'model'}' "
+        f"({type(module).__name__}) per sample: supported are Linear, Conv2d, LayerNorm and Embedding layers "
+        "and plain parameters of shape [1, ...] broadcast against the batch"
+    )
+
+
+# ------------------------------------------------------------------------------------------------ batches
+
+
+def batch_size_of(inputs: Inputs) -> int:
+    """The batch size shared by every tensor of ``inputs`` (dim 0)."""
+    sizes = {t.shape[0] for t in _tensors(inputs)}
+    if len(sizes) != 1:
+        raise ValueError(f"inputs must share one batch size on dim 0, got sizes {sorted(sizes)}")
+    return sizes.pop()
+
+
+def _tensors(inputs: Inputs) -> list[torch.Tensor]:
+    if isinstance(inputs, torch.Tensor):
+        return [inputs]
+    values = list(inputs.values()) if isinstance(inputs, Mapping) else list(inputs)
+    if not values or not all(isinstance(v, torch.Tensor) for v in values):
+        raise ValueError("inputs must be a tensor or a non-empty tuple, list or dict of tensors")
+    return values
+
+
+def split_batch(inputs: Inputs, physical_batch_size: int | None) -> Iterator[Inputs]:
+    """Yields consecutive microbatches of at most ``physical_batch_size`` samples (nothing when empty)."""
+    size = batch_size_of(inputs)
+    step = physical_batch_size or max(size, 1)
+    for start in range(0, size, step):
+        yield _slice(inputs, start, start + step)
+
+
+def _slice(inputs: Inputs, start: int, stop: int) -> Inputs:
+    if isinstance(inputs, torch.Tensor):
+        return inputs[start:stop]
+    if isinstance(inputs, Mapping):
+        return {key: value[start:stop] for key, value in inputs.items()}
+    return type(inputs)(value[start:stop] for value in inputs)
+
+
+# ------------------------------------------------------------------------------------------------ one microbatch
+
+
+@dataclass
+class _Totals:
+    examples: int = 0
+    loss_sum: float = 0.0
+    clipped: int = 0
+    non_finite: int = 0
+
+
+class _Capture(torch.autograd.Function):
+    """Identity on a layer output whose backward hands the output gradient to a callback. It marks its
+    input dirty, so the output keeps its identity and later in-place ops (e.g. ReLU(inplace)) still see
+    the gradient of the layer's own output. ``anchor`` makes autograd traverse every capture."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, output: torch.Tensor, anchor: torch.Tensor, layer: nn.Module, callback: Callable
+    ) -> torch.Tensor:
+        ctx.layer = layer
+        ctx.callback = callback
+        ctx.mark_dirty(output)
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, output_grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        ctx.callback(output_grad)
+        return output_grad, None, None, None
+
+
+class _Tape:
+    """Forward hooks on the supported layers that keep each call's input and route its output gradient."""
+
+    def __init__(self, plan: ModelPlan) -> None:
+        self.anchor = torch.zeros((), requires_grad=True)
+        self.rules: list[tuple[nn.Module, Rule]] = [(m, factory(n, m)) for n, m, factory in plan.layers]
+        self.handles: list[Any] = []
+
+    def __enter__(self) -> "_Tape":
+        for module, rule in self.rules:
+            self.handles.append(module.register_forward_hook(self._hook(rule), with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def _hook(self, rule: Rule) -> Callable:
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor | None:
+            if not (torch.is_grad_enabled() and output.requires_grad):
+                return None
+            layer_input = (args[0] if args else kwargs["input"]).detach()
+            version = layer_input._version
+
+            def receive(output_grad: torch.Tensor) -> None:
+                if layer_input._version != version:
+                    raise RuntimeError(
+                        f"the input of layer '{rule.name}' was modified in place after the layer ran; "
+                        "per-sample gradients need it unchanged"
+                    )
+                rule.record(layer_input, output_grad)
+
+            return _capture(output, self.anchor, module, receive)
+
+        return hook
+
+
+def _capture(output: torch.Tensor, anchor: torch.Tensor, module: nn.Module, receive: Callable) -> torch.Tensor:
+    """Routes the gradient of ``output`` to ``receive``. A view (a Linear on [B, T, d] returns one of its
+    [B·T, d] result) is captured through its base, so the capture node stays visible in the graph."""
+    base = output._base
+    if base is None:
+        return _Capture.apply(output, anchor, module, receive)
+    if output.is_contiguous() and base.is_contiguous() and base.numel() == output.numel() and (
+        output.storage_offset() == base.storage_offset()
+    ):
+        return _Capture.apply(base, anchor, module, receive).view(output.shape)
+    return _Capture.apply(output.clone(), anchor, module, receive)
+
+
+def _add_microbatch(
+    plan: ModelPlan, model: nn.Module, loss_fn: LossFn, inputs: Inputs, max_grad_norm: float, sums: Sums,
+    total: _Totals,
+) -> None:
+    """Adds the clipped per-sample gradients of one microbatch to ``sums``."""
+    batch = batch_size_of(inputs)
+    device = plan.params[0].device if plan.params else torch.device("cpu")
+    with _Tape(plan) as tape:
+        stand_ins = {name: p.detach().expand(batch, *p.shape[1:]).requires_grad_() for name, p in plan.plain}
+        losses = _losses(model, loss_fn, inputs, stand_ins, batch)
+    plain_rules = [PlainRule(name, param) for name, param in plan.plain]
+    if losses.requires_grad:
+        _check_parameter_uses(losses, plan, tape)
+        wanted = [tape.anchor, *stand_ins.values()]
+        grads = torch.autograd.grad(losses.sum(), wanted, allow_unused=True)
+        for rule, grad in zip(plain_rules, grads[1:]):
+            rule.record_stand_in(grad)
+    rules = [rule for _, rule in tape.rules] + plain_rules
+    squared = torch.zeros(batch, device=device)
+    for rule in rules:
+        squared += rule.squared_norms(batch, device).to(device)
+    factors, finite = clip_factors(squared, max_grad_norm)
+    if not bool(finite.all()):
+        for rule in rules:
+            rule.zero_samples(finite)
+    for rule in rules:
+        rule.add_clipped_sum(factors, sums)
+    total.examples += batch
+    total.loss_sum += float(losses.detach().float().sum())
+    total.clipped += int(((squared.sqrt() > max_grad_norm) & finite).sum())
+    total.non_finite += int((~finite).sum())
+
+
+def clip_factors(squared_norms: torch.Tensor, max_grad_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample scale ``min(1, C / ‖gᵢ‖)``, 0 where the norm is not finite; and the finite mask."""
+    finite = torch.isfinite(squared_norms)
+    factors = (max_grad_norm / (squared_norms.clamp_min(0).sqrt() + CLIP_EPS)).clamp(max=1.0)
+    return torch.where(finite, factors, torch.zeros_like(factors)), finite
+
+
+def _losses(
+    model: nn.Module, loss_fn: LossFn, inputs: Inputs, stand_ins: dict[str, torch.Tensor], batch: int
+) -> torch.Tensor:
+    if stand_ins:
+        losses = functional_call(_LossCall(model, loss_fn), {f"model.{k}": v for k, v in stand_ins.items()}, (inputs,))
+    else:
+        losses = loss_fn(model, inputs)
+    if not isinstance(losses, torch.Tensor) or losses.shape != (batch,):
+        shape = list(losses.shape) if isinstance(losses, torch.Tensor) else type(losses).__name__
+        raise ValueError(f"loss_fn must return one loss per sample, shape [{batch}], got {shape}")
+    return losses
+
+
+class _LossCall(nn.Module):
+    """``loss_fn(model, inputs)`` as a module, so ``functional_call`` can swap in the stand-ins."""
+
+    def __init__(self, model: nn.Module, loss_fn: LossFn) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, inputs: Inputs) -> torch.Tensor:
+        return self.loss_fn(self.model, inputs)
+
+
+def _check_parameter_uses(losses: torch.Tensor, plan: ModelPlan, tape: _Tape) -> None:
+    """Each hooked parameter must reach the loss once per call of its layer that reaches the loss, and
+    nowhere else; a plain parameter only through its stand-in. Otherwise a gradient would escape clipping."""
+    names = {param: rule.name for _, rule in tape.rules for param in rule.params}
+    names.update({param: name for name, param in plan.plain})
+    uses, calls_reached = _parameter_uses(losses.grad_fn, set(names))
+    expected = {param: calls_reached[module] for module, rule in tape.rules for param in rule.params}
+    for param, name in names.items():
+        calls = expected.get(param, 0)
+        if uses[param] != calls:
+            raise UnsupportedLayerError(
+                f"a parameter of '{name}' reaches the loss {uses[param]} time(s) but its layer ran {calls} "
+                "time(s): it is used outside the layer's own forward (tied or functional use), which cannot "
+                "be clipped per sample"
+            )
+
+
+def _parameter_uses(root: Any, params: set[nn.Parameter]) -> tuple[Counter, Counter]:
+    """From ``root``: how many autograd edges lead into each of ``params`` (through autocast casts), and
+    how many captured calls of each layer are reached."""
+    uses: Counter[nn.Parameter] = Counter()
+    calls: Counter[nn.Module] = Counter()
+    seen = {root}
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        layer = getattr(node, "layer", None)
+        if layer is not None:
+            calls[layer] += 1
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            param = _leaf_param(child)
+            if param is not None:
+                if param in params:
+                    uses[param] += 1
+                continue
+            if child not in seen:
+                seen.add(child)
+                stack.append(child)
+    return uses, calls
+
+
+def _leaf_param(node: Any) -> torch.Tensor | None:
+    """The parameter behind an AccumulateGrad node, or behind an autocast cast of one; else None."""
+    variable = getattr(node, "variable", None)
+    if variable is not None:
+        return variable
+    if node.name() in _CAST_NODES and len(node.next_functions) == 1:
+        (inner, _), = node.next_functions
+        return getattr(inner, "variable", None) if inner is not None else None
+    return None

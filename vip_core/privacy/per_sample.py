@@ -1,0 +1,268 @@
+"""Per-sample gradient rules: for each kind of layer, per-sample squared norms and the clipped sum.
+
+The engine (:mod:`vip_core.privacy.engine`) runs one forward and one backward that computes activation
+gradients only. For every call of a supported layer it hands the layer's rule the layer input ``A`` and the
+gradient ``G`` of the layer output. A rule then answers two questions for its microbatch of ``B`` samples:
+
+* ``squared_norms()``: ``[B]``, each sample's squared gradient norm over the rule's parameters;
+* ``add_clipped_sum(factors, sums)``: adds ``Σᵢ factorᵢ · gᵢ`` to the running sum of each parameter.
+
+Linear and Conv2d weights choose per layer, by book-keeping (Bu et al., 2023), the cheaper of two ways:
+*materialise* the per-sample gradients ``Gᵢᵀ Aᵢ`` (``B·T·d_in·d_out`` flops, ``B·d_in·d_out`` memory, and
+the clipped sum is then a weighted sum) or keep ``A`` and ``G`` and compute the *ghost norm*
+``Σ (Aᵢ Aᵢᵀ) ⊙ (Gᵢ Gᵢᵀ)`` (``B·T²·(d_in+d_out)`` flops) followed by one weighted matmul for the clipped sum.
+Materialising costs no more flops and no more memory exactly when ``d_in·d_out <= T·(d_in+d_out)``; the
+ghost norm is cheaper than materialising exactly when that fails, so one test decides both.
+Biases, LayerNorm affine parameters and plain parameters are always materialised (they are small).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Sums = dict[nn.Parameter, torch.Tensor]
+
+
+def materialise_is_cheaper(tokens: int, d_in: int, d_out: int) -> bool:
+    """Whether per-sample weight gradients cost no more (flops and memory) than the ghost norm."""
+    return d_in * d_out <= tokens * (d_in + d_out)
+
+
+def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    dtype = tensors[0].dtype
+    for tensor in tensors[1:]:
+        dtype = torch.promote_types(dtype, tensor.dtype)
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _add_weighted(sums: Sums, param: nn.Parameter, factors: torch.Tensor, per_sample: torch.Tensor) -> None:
+    """``sums[param] += Σᵢ factorsᵢ · per_sampleᵢ``; per_sample: [B, *param.shape]."""
+    weighted = torch.mv(per_sample.reshape(per_sample.shape[0], -1).t(), factors.to(per_sample.dtype))  # [numel]
+    sums[param].add_(weighted.view_as(param).to(sums[param].dtype))
+
+
+class Rule:
+    """Per-sample gradient bookkeeping for the parameters of one layer over one microbatch.
+
+    Args:
+        name: the layer's qualified name, used in error messages.
+        params: the trainable parameters this rule covers.
+    """
+
+    def __init__(self, name: str, params: list[nn.Parameter]) -> None:
+        self.name = name
+        self.params = params
+        self.per_sample: dict[nn.Parameter, torch.Tensor] = {}
+
+    def accumulate(self, param: nn.Parameter, grads: torch.Tensor) -> None:
+        """Adds materialised per-sample gradients ``[B, *param.shape]`` (several calls of a layer add up)."""
+        if param in self.per_sample:
+            self.per_sample[param] = self.per_sample[param] + grads
+        else:
+            self.per_sample[param] = grads
+
+    def squared_norms(self, batch_size: int, device: torch.device) -> torch.Tensor:
+        """``[B]`` squared per-sample gradient norms over this rule's parameters (0 for an unused layer)."""
+        total = torch.zeros(batch_size, device=device, dtype=torch.float32)
+        for grads in self.per_sample.values():
+            total += grads.reshape(batch_size, -1).float().square().sum(1)
+        return total
+
+    def add_clipped_sum(self, factors: torch.Tensor, sums: Sums) -> None:
+        """Adds ``Σᵢ factorsᵢ · gᵢ`` to ``sums`` for each parameter of this rule."""
+        for param, grads in self.per_sample.items():
+            _add_weighted(sums, param, factors, grads)
+
+    def zero_samples(self, keep: torch.Tensor) -> None:
+        """Drops the samples where ``keep`` ([B] bool) is False from every stored tensor."""
+        for param, grads in self.per_sample.items():
+            self.per_sample[param] = _zero_rows(grads, keep)
+
+
+def _zero_rows(tensor: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    mask = keep.view(-1, *([1] * (tensor.dim() - 1)))
+    return torch.where(mask, tensor, torch.zeros((), dtype=tensor.dtype, device=tensor.device))
+
+
+class MatmulRule(Rule):
+    """Linear and Conv2d: output = Σ over tokens of ``W · a_t`` (+ bias), in ``groups`` independent groups.
+
+    ``record`` receives the layer input and output gradient already laid out as ``A: [B, g, T, d_in]`` and
+    ``G: [B, g, T, d_out]`` by the subclass.
+    """
+
+    def __init__(self, name: str, module: nn.Module) -> None:
+        weight = module.weight if module.weight.requires_grad else None
+        bias = module.bias if module.bias is not None and module.bias.requires_grad else None
+        super().__init__(name, [p for p in (weight, bias) if p is not None])
+        self.weight, self.bias = weight, bias
+        self.ghost_inputs: list[torch.Tensor] = []
+        self.ghost_grads: list[torch.Tensor] = []
+        self.materialise: bool | None = None
+
+    def record_tokens(self, acts: torch.Tensor, grads: torch.Tensor) -> None:
+        """acts: [B, g, T, d_in]; grads: [B, g, T, d_out]."""
+        dtype = _compute_dtype(acts, grads)
+        acts, grads = acts.to(dtype), grads.to(dtype)
+        batch = acts.shape[0]
+        if self.bias is not None:
+            self.accumulate(self.bias, grads.sum(2).reshape(batch, *self.bias.shape))  # [B, g*d_out]
+        if self.weight is None:
+            return
+        if self.materialise is None:
+            self.materialise = materialise_is_cheaper(acts.shape[2], acts.shape[3], grads.shape[3])
+        if self.materialise:
+            per_sample = torch.matmul(grads.transpose(2, 3), acts)  # per_sample: [B, g, d_out, d_in]
+            self.accumulate(self.weight, per_sample.reshape(batch, *self.weight.shape))
+        else:
+            self.ghost_inputs.append(acts)
+            self.ghost_grads.append(grads)
+
+    def _ghost_pair(self) -> tuple[torch.Tensor, torch.Tensor]:
+        acts = torch.cat(self.ghost_inputs, dim=2) if len(self.ghost_inputs) > 1 else self.ghost_inputs[0]
+        grads = torch.cat(self.ghost_grads, dim=2) if len(self.ghost_grads) > 1 else self.ghost_grads[0]
+        return acts, grads  # acts: [B, g, T, d_in], grads: [B, g, T, d_out]
+
+    def squared_norms(self, batch_size: int, device: torch.device) -> torch.Tensor:
+        total = super().squared_norms(batch_size, device)
+        if self.ghost_inputs:
+            acts, grads = self._ghost_pair()
+            if acts.shape[2] == 1:
+                ghost = acts.square().sum((2, 3)) * grads.square().sum((2, 3))  # ghost: [B, g]
+            else:
+                act_gram = torch.matmul(acts, acts.transpose(2, 3))  # act_gram: [B, g, T, T]
+                grad_gram = torch.matmul(grads, grads.transpose(2, 3))  # grad_gram: [B, g, T, T]
+                ghost = (act_gram * grad_gram).sum((2, 3))  # ghost: [B, g]
+            total += ghost.sum(1).float()
+        return total
+
+    def add_clipped_sum(self, factors: torch.Tensor, sums: Sums) -> None:
+        super().add_clipped_sum(factors, sums)
+        if self.ghost_inputs:
+            acts, grads = self._ghost_pair()
+            groups, d_in, d_out = acts.shape[1], acts.shape[3], grads.shape[3]
+            scaled = grads * factors.to(grads.dtype).view(-1, 1, 1, 1)  # scaled: [B, g, T, d_out]
+            scaled = scaled.transpose(0, 1).reshape(groups, -1, d_out)  # scaled: [g, B*T, d_out]
+            acts = acts.transpose(0, 1).reshape(groups, -1, d_in)  # acts: [g, B*T, d_in]
+            weight_sum = torch.bmm(scaled.transpose(1, 2), acts)  # weight_sum: [g, d_out, d_in]
+            sums[self.weight].add_(weight_sum.reshape(self.weight.shape).to(sums[self.weight].dtype))
+
+    def zero_samples(self, keep: torch.Tensor) -> None:
+        super().zero_samples(keep)
+        self.ghost_inputs = [_zero_rows(a, keep) for a in self.ghost_inputs]
+        self.ghost_grads = [_zero_rows(g, keep) for g in self.ghost_grads]
+
+
+class LinearRule(MatmulRule):
+    """``nn.Linear`` on inputs ``[B, ..., d_in]``: every middle position is a token."""
+
+    def record(self, inputs: torch.Tensor, output_grad: torch.Tensor) -> None:
+        batch = inputs.shape[0]
+        acts = inputs.reshape(batch, 1, -1, inputs.shape[-1])  # acts: [B, 1, T, d_in]
+        grads = output_grad.reshape(batch, 1, -1, output_grad.shape[-1])  # grads: [B, 1, T, d_out]
+        self.record_tokens(acts, grads)
+
+
+class Conv2dRule(MatmulRule):
+    """``nn.Conv2d`` (any stride, padding mode, dilation, groups): every output position is a token of the
+    unfolded input."""
+
+    def __init__(self, name: str, module: nn.Conv2d) -> None:
+        super().__init__(name, module)
+        self.module = module
+
+    def record(self, inputs: torch.Tensor, output_grad: torch.Tensor) -> None:
+        conv = self.module
+        batch, groups = inputs.shape[0], conv.groups
+        padding = conv._reversed_padding_repeated_twice
+        if any(padding):
+            mode = "constant" if conv.padding_mode == "zeros" else conv.padding_mode
+            inputs = F.pad(inputs, padding, mode=mode)
+        unfolded = F.unfold(inputs, conv.kernel_size, dilation=conv.dilation, stride=conv.stride)  # [B, C*k*k, T]
+        acts = unfolded.view(batch, groups, -1, unfolded.shape[-1]).transpose(2, 3)  # acts: [B, g, T, d_in]
+        grads = output_grad.reshape(batch, groups, output_grad.shape[1] // groups, -1).transpose(2, 3)  # [B, g, T, d_out]
+        self.record_tokens(acts, grads)
+
+
+class LayerNormRule(Rule):
+    """``nn.LayerNorm``: weight gradient ``Σ_t G ⊙ x̂``, bias gradient ``Σ_t G``, per sample."""
+
+    def __init__(self, name: str, module: nn.LayerNorm) -> None:
+        weight = module.weight if module.weight is not None and module.weight.requires_grad else None
+        bias = module.bias if module.bias is not None and module.bias.requires_grad else None
+        super().__init__(name, [p for p in (weight, bias) if p is not None])
+        self.module, self.weight, self.bias = module, weight, bias
+
+    def record(self, inputs: torch.Tensor, output_grad: torch.Tensor) -> None:
+        shape = self.module.normalized_shape
+        batch = inputs.shape[0]
+        grads = output_grad.float().reshape(batch, -1, *shape)  # grads: [B, T, *shape]
+        if self.weight is not None:
+            normalized = F.layer_norm(inputs.float(), shape, eps=self.module.eps)  # x̂: [B, ..., *shape]
+            self.accumulate(self.weight, (grads * normalized.reshape_as(grads)).sum(1))  # [B, *shape]
+        if self.bias is not None:
+            self.accumulate(self.bias, grads.sum(1))  # [B, *shape]
+
+
+class EmbeddingRule(Rule):
+    """``nn.Embedding``: the per-sample gradient scatters ``G`` rows to the looked-up indices; its norm is
+    ``Σ_{t,s} [idx_t = idx_s] G_t·G_s`` and the clipped sum is one ``index_add``."""
+
+    def __init__(self, name: str, module: nn.Embedding) -> None:
+        super().__init__(name, [module.weight])
+        self.module = module
+        self.weight = module.weight
+        self.indices: list[torch.Tensor] = []
+        self.grads: list[torch.Tensor] = []
+
+    def record(self, indices: torch.Tensor, output_grad: torch.Tensor) -> None:
+        batch = indices.shape[0]
+        indices = indices.reshape(batch, -1)  # indices: [B, T]
+        grads = output_grad.float().reshape(batch, -1, output_grad.shape[-1])  # grads: [B, T, D]
+        if self.module.padding_idx is not None:
+            grads = grads * (indices != self.module.padding_idx).unsqueeze(-1)
+        self.indices.append(indices)
+        self.grads.append(grads)
+
+    def squared_norms(self, batch_size: int, device: torch.device) -> torch.Tensor:
+        total = super().squared_norms(batch_size, device)
+        if self.grads:
+            indices, grads = torch.cat(self.indices, 1), torch.cat(self.grads, 1)
+            same = indices.unsqueeze(2) == indices.unsqueeze(1)  # same: [B, T, T]
+            gram = torch.bmm(grads, grads.transpose(1, 2))  # gram: [B, T, T]
+            total += (gram * same).sum((1, 2))
+        return total
+
+    def add_clipped_sum(self, factors: torch.Tensor, sums: Sums) -> None:
+        for indices, grads in zip(self.indices, self.grads):
+            scaled = grads * factors.view(-1, 1, 1)  # scaled: [B, T, D]
+            sums[self.weight].index_add_(0, indices.reshape(-1), scaled.reshape(-1, grads.shape[-1]).to(sums[self.weight].dtype))
+
+    def zero_samples(self, keep: torch.Tensor) -> None:
+        self.grads = [_zero_rows(g, keep) for g in self.grads]
+
+
+class PlainRule(Rule):
+    """A plain parameter of shape ``[1, ...]`` broadcast against the batch (class, mask and position
+    tokens). The forward sees a per-sample stand-in ``[B, ...]``, whose gradient is the per-sample gradient."""
+
+    def __init__(self, name: str, param: nn.Parameter) -> None:
+        super().__init__(name, [param])
+        self.param = param
+
+    def record_stand_in(self, grads: torch.Tensor | None) -> None:
+        """grads: [B, *param.shape[1:]], or None when the parameter did not reach the loss."""
+        if grads is not None:
+            self.accumulate(self.param, grads.unsqueeze(1).float())  # [B, 1, ...]
+
+
+RULES: dict[type[nn.Module], Callable[[str, nn.Module], Rule]] = {
+    nn.Linear: LinearRule,
+    nn.Conv2d: Conv2dRule,
+    nn.LayerNorm: LayerNormRule,
+    nn.Embedding: EmbeddingRule,
+}
