@@ -1,0 +1,1 @@
+"""Benchmarks of ``vip bench``: each module defines ``register(bench_subparsers)``."""
