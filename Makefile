@@ -20,10 +20,27 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip uninstall -y -q dataclasses
 	touch $@
 
-setup: $(STAMP)
+setup: $(STAMP) gl-libs
 
 test: setup
 	$(PY) -m pytest -q
 
 test-slow: setup
 	$(PY) -m pytest -q -m slow
+
+# Mesa's EGL and llvmpipe (headless OpenGL 4.5 on the CPU) for `vip render` and its tests: installed as root
+# through apt-get only when one is missing (a GPU machine's driver may provide its own EGL as well).
+GL_PACKAGES := libegl1 libgl1 libegl-mesa0 libgl1-mesa-dri
+GL_SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+gl-libs:
+	@if ! command -v dpkg >/dev/null || dpkg -s $(GL_PACKAGES) >/dev/null 2>&1; then :; \
+	else $(GL_SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(GL_SUDO) apt-get install -y -q \
+	    --no-install-recommends $(GL_PACKAGES); fi
+
+# `make render`: synthetic images from the built-in shader program generator into $(VIP_HOME)/data/synthetic.
+RENDER_IMAGES ?= 256
+RENDER_SIZE ?= 32
+render: setup
+	$(VIP) render --preset $(PRESET) --out $(VIP_HOME)/data/synthetic --num-images $(RENDER_IMAGES) --size $(RENDER_SIZE)
+
+.PHONY: gl-libs render
