@@ -28,6 +28,30 @@ test: setup
 test-slow: setup
 	$(PY) -m pytest -q -m slow
 
+# ------------------------------------------------------------------------------------------ the pipeline
+# `make run`: the whole pipeline on $(PRESET) on the CPU, with a small web sample served on 127.0.0.1.
+run: setup
+	$(PY) -m tasks.demo --preset $(PRESET)
+
+# `make ui`: the Prefect UI on 127.0.0.1:4200 and the MLflow UI on 127.0.0.1:5000, on the stores in $(VIP_HOME).
+ui: setup
+	$(PY) -m tasks.services ui
+
+# `make serve`: the deployments, so that a run can be started from the Prefect UI (needs `make ui` running).
+serve: setup
+	$(PY) -m flows.serve
+
+# Debian packages of the browser and PostgreSQL tests (their set-up runs this target when one is missing).
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+SYSTEM_PACKAGES := chromium chromium-driver postgresql
+system-deps:
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null \
+	    && ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then echo "system packages present"; \
+	else $(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q \
+	    --no-install-recommends $(SYSTEM_PACKAGES); fi
+
+.PHONY: ui serve system-deps
+
 # Mesa's EGL and llvmpipe (headless OpenGL 4.5 on the CPU) for `vip render` and its tests: installed as root
 # through apt-get only when one is missing (a GPU machine's driver may provide its own EGL as well).
 GL_PACKAGES := libegl1 libgl1 libegl-mesa0 libgl1-mesa-dri

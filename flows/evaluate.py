@@ -1,0 +1,35 @@
+"""The evaluation jobs alone: every task on an encoder and on a random-init baseline, in parallel."""
+
+from __future__ import annotations
+
+from prefect import flow
+from prefect.task_runners import ThreadPoolTaskRunner
+
+from flows.caching import stage_folder
+from flows.pipeline import EVAL_THREADS, default_workdir, evaluate_encoders
+from flows.stages import flow_tracking
+from tasks import results, tracking
+from vip_core.config import VipConfig, tiny
+from vip_core.env import configure_environment
+
+
+@flow(name="vip-evaluate", task_runner=ThreadPoolTaskRunner(max_workers=EVAL_THREADS), log_prints=True)
+def evaluate_flow(config: VipConfig = tiny(), checkpoint: str = "", eval_data: str = "", workdir: str = "") -> dict:
+    """Runs ``config.evaluation.tasks`` on the encoder of ``checkpoint`` and on a random-init one.
+
+    Args:
+        config: ``config.model`` and ``config.evaluation`` drive the jobs.
+        checkpoint: a pre-training checkpoint (file or folder); empty: the private stage's under ``workdir``.
+        eval_data: a folder with ``classification/`` (ImageFolder), ``coco/`` and ``ade20k/``.
+        workdir: empty: ``$VIP_HOME/runs/<config.name>``.
+
+    Returns:
+        ``{task: {"vip": metrics, "random-init": metrics}}``.
+    """
+    configure_environment()
+    workdir = workdir or default_workdir(config)
+    checkpoint = checkpoint or stage_folder(workdir, "pretrain-dp", config)
+    with flow_tracking("vip-evaluate", config) as parent:
+        evaluations = evaluate_encoders(config, checkpoint, eval_data, workdir, parent)
+        tracking.log_metrics(parent, results.evaluation_metrics(evaluations))
+    return evaluations

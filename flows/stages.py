@@ -1,0 +1,139 @@
+"""The pipeline's stages as Prefect tasks, and the MLflow parent run of a flow run.
+
+Each task runs one stage function from ``tasks/`` inside the stage's MLflow child run and returns the
+stage's small result dict. Tasks retry on failure (the stage functions resume the work already written)
+and cache their result under a key made of their config slice and inputs (:mod:`flows.caching`), in
+Prefect's result store under ``$PREFECT_HOME``: a second run with the same config skips them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any, Iterator
+
+from prefect import task
+from prefect.artifacts import create_link_artifact
+from prefect.runtime import flow_run
+
+from flows.caching import digest, fingerprint, stage_cache_key
+from tasks import tracking
+from vip_core.config import VipConfig
+
+PRETRAIN_STAGES = {"synthetic": "pretrain-syn", "private": "pretrain-dp"}
+
+
+def _options(stage: Any, retries: int, retry_delay_seconds: float) -> dict[str, Any]:
+    return dict(
+        cache_key_fn=stage_cache_key(stage),
+        persist_result=True,
+        retries=retries,
+        retry_delay_seconds=retry_delay_seconds,
+    )
+
+
+@task(name="ingest", **_options("ingest", retries=2, retry_delay_seconds=10))
+def ingest(config: VipConfig, url_list: str, output: str, eval_images: str | None, parent_run_id: str | None) -> dict:
+    """Web images: download the url list, filter, deduplicate, decontaminate against ``eval_images``."""
+    from tasks.ingest import run_ingest
+
+    with tracking.stage_run(parent_run_id, "ingest", config) as run_id:
+        stats = run_ingest(config, url_list, output, eval_images=eval_images)
+        tracking.log_result(run_id, "ingest", stats)
+    return stats
+
+
+@task(name="render", **_options("render", retries=1, retry_delay_seconds=5))
+def render(config: VipConfig, output: str, parent_run_id: str | None) -> dict:
+    """Synthetic images rendered from the procedural shader programs."""
+    from tasks.render import run_render
+
+    with tracking.stage_run(parent_run_id, "render", config) as run_id:
+        stats = run_render(config, output)
+        tracking.log_result(run_id, "render", stats)
+    return stats
+
+
+@task(
+    name="pretrain",
+    task_run_name="pretrain-{stage}",
+    **_options(lambda parameters: PRETRAIN_STAGES[parameters["stage"]], retries=1, retry_delay_seconds=5),
+)
+def pretrain(
+    config: VipConfig, stage: str, data: str, output: str, init_checkpoint: str | None, parent_run_id: str | None
+) -> dict:
+    """MAE pre-training: ``synthetic`` (no privacy) or ``private`` (DP-AdamW; ε logged at every step).
+
+    A retry resumes from the stage's last checkpoint and continues its privacy ledger.
+    """
+    from tasks.pretrain import run_pretrain
+
+    name = PRETRAIN_STAGES[stage]
+    with tracking.stage_run(parent_run_id, name, config) as run_id:
+        result = run_pretrain(
+            config, stage, data, output, init_checkpoint=init_checkpoint, resume=True, mlflow_run_id=run_id
+        )
+        tracking.log_result(run_id, name, result)
+        tracking.log_artifact(run_id, _checkpoint_file(result["checkpoint"]), "checkpoint")
+    return result
+
+
+@task(name="evaluate", task_run_name="eval-{task}", **_options("evaluate", retries=1, retry_delay_seconds=5))
+def evaluate(
+    config: VipConfig, task: str, checkpoint: str | None, data: str, output: str, parent_run_id: str | None
+) -> dict:
+    """One downstream job on the encoder of ``checkpoint``; None evaluates a randomly initialised one."""
+    from tasks.evaluate import run_evaluation
+
+    encoder = "random-init" if checkpoint is None else "vip"
+    stage = f"eval/{task}/{encoder}"
+    with tracking.stage_run(parent_run_id, stage, config) as run_id:
+        metrics = run_evaluation(config, task, checkpoint, data, output, mlflow_run_id=run_id)
+        tracking.log_result(run_id, f"eval/{task}", metrics)
+    return metrics
+
+
+@task(
+    name="register-encoder",
+    cache_key_fn=lambda context, parameters: f"vip-register-{digest(fingerprint(parameters['checkpoint']))}",
+    persist_result=True,
+    retries=2,
+    retry_delay_seconds=2,
+)
+def register_encoder(checkpoint: str, parent_run_id: str) -> str:
+    """Registers the final encoder in the MLflow model registry, once per checkpoint; returns ``name/version``."""
+    version = tracking.register_encoder(parent_run_id, checkpoint)
+    return f"{tracking.ENCODER_MODEL_NAME}/{version}"
+
+
+@contextlib.contextmanager
+def flow_tracking(flow_name: str, config: VipConfig) -> Iterator[str]:
+    """The MLflow parent run of the current Prefect flow run, tagged with its id, open for the block.
+
+    A link to the run appears among the flow run's artifacts in the Prefect UI.
+    """
+    tags = {
+        tracking.FLOW_RUN_TAG: str(flow_run.id),
+        "prefect.flow_run_name": str(flow_run.name),
+        "prefect.flow_name": flow_name,
+    }
+    with tracking.run(f"{flow_name}/{flow_run.name}", config=config, tags=tags) as run_id:
+        create_link_artifact(
+            tracking.run_ui_url(run_id), link_text="MLflow run", key="mlflow-run",
+            description=f"MLflow parent run {run_id} of this flow run",
+        )
+        yield run_id
+
+
+def _checkpoint_file(checkpoint: str) -> str:
+    path = Path(checkpoint)
+    return str(path / "checkpoint.pt") if path.is_dir() else str(path)
+
+
+def run_fresh_if_missing(stage_task: Any, output: str) -> Any:
+    """The task as it is when its output folder exists; otherwise set to refresh its cache entry.
+
+    A cached result names files; when they have been deleted, the stage runs again instead of handing
+    the next stage a path to nothing.
+    """
+    return stage_task if Path(output).exists() else stage_task.with_options(refresh_cache=True)
