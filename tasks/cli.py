@@ -20,6 +20,7 @@ COMMAND_MODULES = (
     "tasks.commands.privacy",
     "tasks.commands.render",
     "tasks.commands.ingest",
+    "tasks.commands.evaluate",
 )
 
 
