@@ -101,7 +101,7 @@ def run_render(config: VipConfig, output: str | Path, shaders: str | Path | None
     done = _complete_shards(job)
     pending = [shard for shard in range(job.num_shards) if shard not in done]
     logger.info("render: %d shards to render, %d already complete", len(pending), len(done))
-    _render_shards(job, pending, settings.workers)
+    _render_shards(job, pool, pending, settings.workers)
     summary = _write_manifest_and_stats(job, excluded)
     seconds = time.perf_counter() - started
     rendered_now = sum(len(job.shard_indices(shard)) for shard in pending)
@@ -170,12 +170,10 @@ def _complete_shards(job: RenderJob) -> set[int]:
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(job: RenderJob) -> None:
-    """Per process: one GL context, its program cache, and the program pool."""
-    if job.shaders is None:
-        pool: ProgramPool = GeneratedPrograms(job.plan.pool_size)
-    else:
-        pool = load_program_folder(job.shaders)[0]
+def _init_worker(job: RenderJob, pool: ProgramPool | None = None) -> None:
+    """Per process: one GL context, its program cache, and the program pool (loaded again if not given)."""
+    if pool is None:
+        pool = GeneratedPrograms(job.plan.pool_size) if job.shaders is None else load_program_folder(job.shaders)[0]
     renderer = ShaderRenderer(job.size)
     _WORKER.update(job=job, pool=pool, renderer=renderer, cache=ProgramCache(renderer))
     logger.info("render worker %d on %s", os.getpid(), renderer.device)
@@ -192,11 +190,11 @@ def _render_shard_in_worker(shard: int) -> tuple[int, int]:
     return shard, render_shard(_WORKER["job"], _WORKER["cache"], _WORKER["pool"], shard)
 
 
-def _render_shards(job: RenderJob, pending: list[int], workers: int) -> None:
+def _render_shards(job: RenderJob, pool: ProgramPool, pending: list[int], workers: int) -> None:
     if not pending:
         return
     if workers == 1 or len(pending) == 1:
-        _init_worker(job)
+        _init_worker(job, pool)
         try:
             for shard in pending:
                 _log_shard(shard, render_shard(job, _WORKER["cache"], _WORKER["pool"], shard))

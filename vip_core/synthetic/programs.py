@@ -36,8 +36,9 @@ class ShaderProgram:
 
 
 # ------------------------------------------------------------------------------------------ GLSL library
+# Helpers every generated program carries (the compiler drops those a program does not call).
 
-_LIBRARY = """
+GLSL_LIBRARY = """
 #define ZERO min(iFrame, 0)
 const float PI = 3.14159265;
 const float TAU = 6.28318531;
@@ -598,7 +599,7 @@ def generate_program(seed: int) -> ShaderProgram:
     builder = _Builder(rng)
     body = _raymarch(builder) if rng.random() < RAYMARCH_SHARE else _composition(builder)
     header = f"// vip procedural program {seed}\nconst uint SALT = {rng.getrandbits(32)}u;\n"
-    return ShaderProgram(program_id=f"gen-{seed}", source=header + _LIBRARY + "\n" + body)
+    return ShaderProgram(program_id=f"gen-{seed}", source=header + GLSL_LIBRARY + "\n" + body)
 
 
 # ------------------------------------------------------------------------------------------------ folders
