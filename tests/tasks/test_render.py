@@ -122,12 +122,15 @@ def test_program_folder_skips_what_cannot_render_and_counts_why(tmp_path):
     (shaders / "black.frag").write_text(BLACK)
     (shaders / "nested" / "broken.glsl").write_text(BROKEN)
     (shaders / "buffer.frag").write_text(MULTIPASS)
+    two_passes = {"renderpass": [{"type": "buffer", "code": GOOD}, {"type": "image", "code": GOOD}]}
+    (shaders / "two-passes.fragment").write_text(json.dumps(two_passes))
+    (shaders / "one-pass.fragment").write_text(json.dumps({"renderpass": [{"type": "image", "code": GOOD}]}))
     (shaders / "README.txt").write_text("not a program")
-    result = run_render(_config(num_images=8, images_per_program=1), tmp_path / "out", shaders=shaders)
-    assert result["images"] == 8
-    assert result["excluded_programs"] == {"multipass": 1}
+    result = run_render(_config(num_images=12, images_per_program=1), tmp_path / "out", shaders=shaders)
+    assert result["images"] == 12
+    assert result["excluded_programs"] == {"multipass": 2}
     assert result["skipped"]["compile_error"] >= 1 and result["skipped"]["constant"] >= 1
-    assert {record["program"] for record in _manifest(tmp_path / "out")} == {"good.frag"}
+    assert {record["program"] for record in _manifest(tmp_path / "out")} == {"good.frag", "one-pass.fragment"}
 
 
 def test_mixup_records_convex_components(tmp_path):

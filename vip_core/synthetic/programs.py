@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from vip_core.synthetic.shadertoy import check_program
+from vip_core.synthetic.shadertoy import read_program
 
 logger = logging.getLogger(__name__)
 
-PROGRAM_EXTENSIONS = (".frag", ".glsl")
+PROGRAM_EXTENSIONS = (".frag", ".glsl", ".fragment", ".json")  # .fragment: Shaders21k's Shadertoy JSON
 
 
 @dataclass(frozen=True)
@@ -606,11 +606,14 @@ def generate_program(seed: int) -> ShaderProgram:
 
 
 def load_program_folder(folder: str | Path) -> tuple[list[ShaderProgram], dict[str, int]]:
-    """The renderable programs in the ``.frag`` / ``.glsl`` files under ``folder``, and those left out.
+    """The renderable programs in the program files under ``folder``, and those left out.
+
+    Program files are GLSL (``.frag``, ``.glsl``) or Shadertoy JSON (``.json``, Shaders21k's ``.fragment``),
+    see :func:`~vip_core.synthetic.shadertoy.read_program`.
 
     Returns:
         programs: one per usable file, ids are the paths relative to ``folder``, in sorted order.
-        excluded: the number of files left out by reason (see :func:`check_program`).
+        excluded: the number of files left out by reason (see :func:`read_program`).
 
     Raises:
         FileNotFoundError: ``folder`` does not exist or holds no program file.
@@ -620,15 +623,14 @@ def load_program_folder(folder: str | Path) -> tuple[list[ShaderProgram], dict[s
         raise FileNotFoundError(f"shader folder {folder} does not exist")
     files = sorted(path for path in folder.rglob("*") if path.is_file() and path.suffix in PROGRAM_EXTENSIONS)
     if not files:
-        raise FileNotFoundError(f"shader folder {folder} holds no {' or '.join(PROGRAM_EXTENSIONS)} file")
+        raise FileNotFoundError(f"shader folder {folder} holds no program file ({', '.join(PROGRAM_EXTENSIONS)})")
     programs: list[ShaderProgram] = []
     excluded: dict[str, int] = {}
     for path in files:
-        source = path.read_text(encoding="utf-8", errors="replace")
-        reason = check_program(source)
-        if reason is None:
+        source, reason = read_program(path.read_text(encoding="utf-8", errors="replace"))
+        if source is not None:
             programs.append(ShaderProgram(program_id=path.relative_to(folder).as_posix(), source=source))
         else:
-            excluded[reason] = excluded.get(reason, 0) + 1
+            excluded[str(reason)] = excluded.get(str(reason), 0) + 1
             logger.info("skipping %s: %s", path, reason)
     return programs, excluded

@@ -8,10 +8,15 @@ compatibility.
 
 Programs that read ``iChannel0..3`` need other passes (Buffer A-D) or input textures that one pass cannot
 supply: :func:`check_program` rejects them, as it rejects sources without ``mainImage``.
+
+Shaders21k ships its Shadertoy programs as ``.fragment`` files holding the Shadertoy API's JSON
+(``{"info": ..., "renderpass": [{"type": "image", "code": ...}, ...]}``): :func:`read_program` takes the
+code from those, from ``.json`` exports (``{"Shader": {...}}``) and from plain GLSL files.
 """
 
 from __future__ import annotations
 
+import json
 import re
 
 GLSL_VERSION = "#version 300 es"
@@ -19,6 +24,7 @@ GLSL_VERSION = "#version 300 es"
 # Reasons a program is skipped; the renderer adds its own (compile errors, near-constant images).
 MULTIPASS = "multipass"
 NO_MAIN_IMAGE = "no_main_image"
+UNREADABLE = "unreadable"
 
 VERTEX_SHADER = f"""{GLSL_VERSION}
 in vec2 in_position;
@@ -93,3 +99,37 @@ def fragment_shader(source: str) -> str:
     body = _VERSION_LINE.sub("", source)
     body = _UNIFORM_LINE.sub("", body)
     return f"{_HEADER}\n{body}\n{_FOOTER}"
+
+
+
+def read_program(text: str) -> tuple[str | None, str | None]:
+    """The ``mainImage`` code in a program file's ``text``, or why it cannot be rendered in one pass.
+
+    ``text`` is plain GLSL or Shadertoy's JSON. From JSON: the "common" pass's code (shared by every pass)
+    followed by the "image" pass's code; a buffer, cubemap or sound pass makes it :data:`MULTIPASS`.
+
+    Returns:
+        (code, None) when the program can be tried, else (None, reason).
+    """
+    code = text
+    if text.lstrip().startswith("{"):
+        try:
+            code = _code_from_shadertoy_json(json.loads(text))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return None, UNREADABLE
+        if code is None:
+            return None, MULTIPASS
+    reason = check_program(code)
+    return (code, None) if reason is None else (None, reason)
+
+
+def _code_from_shadertoy_json(data: dict) -> str | None:
+    """The common + image code of a one-pass Shadertoy JSON program; None when it has other passes."""
+    shader = data.get("Shader", data)
+    passes = shader["renderpass"]
+    kinds = [render_pass.get("type", "image") for render_pass in passes]
+    if kinds.count("image") != 1 or any(kind not in ("image", "common") for kind in kinds):
+        return None
+    common = "".join(render_pass["code"] + "\n" for render_pass in passes if render_pass.get("type") == "common")
+    image = next(render_pass["code"] for render_pass in passes if render_pass.get("type", "image") == "image")
+    return common + image
