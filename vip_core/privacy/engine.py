@@ -95,15 +95,48 @@ def privatized_gradients(
         Monitoring statistics of the batch (not private).
     """
     _check_arguments(max_grad_norm, noise_multiplier, expected_batch_size, physical_batch_size)
-    plan = plan_model(model)
-    sums: Sums = {p: torch.zeros_like(p) for p in plan.params}
-    total = _Totals()
-    for chunk in split_batch(inputs, physical_batch_size):
-        _add_microbatch(plan, model, loss_fn, chunk, max_grad_norm, sums, total)
-    for param in plan.params:
-        noisy = sums[param] + _gaussian(param, noise_multiplier * max_grad_norm, generator)
-        param.grad = noisy.div_(expected_batch_size)
-    return StepStats(total.examples, total.loss_sum, total.clipped, total.non_finite)
+    clipped = ClippedGradientSum(model, max_grad_norm=max_grad_norm)
+    clipped.add(loss_fn, inputs, physical_batch_size=physical_batch_size)
+    return clipped.privatize(noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size, generator=generator)
+
+
+class ClippedGradientSum:
+    """The running sum Σᵢ clip(gᵢ, C) over any number of microbatches of one logical batch, then the noise
+    once. Use it to stream a logical batch from disk one physical batch at a time;
+    :func:`privatized_gradients` is the one-call form.
+
+    Args:
+        model: the model (see :func:`privatized_gradients` for what it may contain).
+        max_grad_norm: the clipping bound C.
+    """
+
+    def __init__(self, model: nn.Module, *, max_grad_norm: float) -> None:
+        _check_arguments(max_grad_norm, 0.0, 1.0, None)
+        self.model = model
+        self.max_grad_norm = max_grad_norm
+        self.plan = plan_model(model)
+        self.sums: Sums = {p: torch.zeros_like(p) for p in self.plan.params}
+        self.totals = _Totals()
+
+    def add(self, loss_fn: LossFn, inputs: Inputs, *, physical_batch_size: int | None = None) -> None:
+        """Adds the clipped per-sample gradients of ``inputs``, in microbatches of ``physical_batch_size``."""
+        for chunk in split_batch(inputs, physical_batch_size):
+            _add_microbatch(self.plan, self.model, loss_fn, chunk, self.max_grad_norm, self.sums, self.totals)
+
+    def privatize(
+        self, *, noise_multiplier: float, expected_batch_size: float, generator: torch.Generator | None = None
+    ) -> StepStats:
+        """Sets each trainable parameter's ``.grad`` to (sum + N(0, σ²C²I)) / expected_batch_size.
+
+        Returns:
+            Monitoring statistics of the batch (not private).
+        """
+        _check_arguments(self.max_grad_norm, noise_multiplier, expected_batch_size, None)
+        for param in self.plan.params:
+            noisy = self.sums[param] + _gaussian(param, noise_multiplier * self.max_grad_norm, generator)
+            param.grad = noisy.div_(expected_batch_size)
+        t = self.totals
+        return StepStats(t.examples, t.loss_sum, t.clipped, t.non_finite)
 
 
 def _check_arguments(

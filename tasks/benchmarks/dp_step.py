@@ -1,0 +1,365 @@
+"""``vip bench dp-step``: one DP-AdamW step of the MAE against the non-private step, in the same process.
+
+Four ways to take one optimiser step on the same MAE and the same batch run interleaved, round after
+round, after warm-up: ``nonprivate`` (forward, mean loss backward, AdamW), ``dp`` (this project's engine:
+per-sample clipping, noise, DP-AdamW), ``opacus_hooks`` and ``opacus_ghost`` (opacus 1.6.0
+``GradSampleModule`` + ``DPOptimizer``, and ghost clipping). Each time is the median over the rounds.
+
+Opacus needs the MAE's cls and mask tokens out of the root module (otherwise every opacus mode falls back
+to a per-sample vmap of the whole forward, which fails on the random masking): for opacus the same
+modules and parameters are re-assembled so that it holds each token in a small
+submodule (:func:`opacus_mae`); the computation is the MAE's own. Our engine runs the MAE unmodified.
+
+Peak memory: a ``TorchDispatchMode`` counts the bytes of every tensor storage allocated during one step
+and frees them when the storage dies; the peak of that count plus the bytes of the parameters and the
+optimiser state held before the step is the step's peak. It measures tensors, not the allocator or
+the Python heap, identically for every mode, and runs apart from the timed rounds (it slows them).
+
+``max_abs_err_vs_naive``: the engine's clipped sum (noise off) against a one-sample-at-a-time autograd
+reference on the first samples of the batch, with fixed masks, as the largest absolute difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+import warnings
+import weakref
+from typing import Any, Callable
+
+TARGET_RATIO = 1.3
+NAIVE_SAMPLES = 8
+
+
+def register(bench_subparsers: Any) -> None:
+    parser = bench_subparsers.add_parser(
+        "dp-step", help="time and peak memory of a DP-AdamW step of the MAE against the non-private step and opacus",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--preset", default="tiny", help="configuration preset for the MAE (default: tiny)")
+    parser.add_argument("--img-size", type=int, default=32, help="image side in pixels (default: 32)")
+    parser.add_argument("--batch", type=int, default=64, help="samples per step (default: 64)")
+    parser.add_argument("--repeats", type=int, default=7, help="timed rounds of every mode (default: 7)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default: 2)")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0 keeps torch's default")
+    parser.add_argument("--no-opacus", action="store_true", help="skip the two opacus modes")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.set_defaults(handler=handle_bench_dp_step)
+
+
+def handle_bench_dp_step(args: argparse.Namespace) -> int:
+    from tasks.cli import UsageError, print_json
+
+    if min(args.batch, args.repeats, args.img_size) <= 0 or args.warmup < 0 or args.threads < 0:
+        raise UsageError("--batch, --repeats and --img-size must be positive, --warmup and --threads >= 0")
+    result = bench_dp_step(
+        preset=args.preset, img_size=args.img_size, batch=args.batch, repeats=args.repeats, warmup=args.warmup,
+        threads=args.threads, opacus=not args.no_opacus, seed=args.seed,
+    )
+    if args.json:
+        print_json(result)
+    else:
+        for key, value in result.items():
+            print(f"{key:>28}: {value}")
+    return 0
+
+
+def bench_dp_step(
+    *, preset: str, img_size: int, batch: int, repeats: int, warmup: int, threads: int, opacus: bool, seed: int
+) -> dict[str, Any]:
+    """Times and measures every mode on the MAE of ``preset`` at ``img_size``; returns the figures."""
+    import torch
+
+    previous_threads = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Full backward hook", category=UserWarning)
+            return _bench(preset, img_size, batch, repeats, warmup, opacus, seed)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _bench(preset: str, img_size: int, batch: int, repeats: int, warmup: int, opacus: bool, seed: int) -> dict[str, Any]:
+    import torch
+
+    from vip_core.config import get_preset, with_overrides
+
+    config = get_preset(preset)
+    patch = config.model.patch_size
+    if img_size % patch:
+        raise ValueError(f"--img-size {img_size} is not a multiple of the preset's patch size {patch}")
+    config = with_overrides(config, {"model.img_size": img_size})
+    torch.manual_seed(seed)
+    images = torch.randn(batch, 3, img_size, img_size)  # images: [B, 3, S, S]
+    steps = _step_functions(config, images, opacus)
+    seconds = _interleaved_medians(steps, repeats, warmup)
+    peaks = {name: _peak_bytes(step, state) for name, (step, state) in steps.items()}
+    result: dict[str, Any] = {
+        "preset": preset, "img_size": img_size, "batch": batch, "repeats": repeats,
+        "threads": torch.get_num_threads(),
+        "nonprivate_s": seconds["nonprivate"], "dp_s": seconds["dp"],
+        "dp_ratio": seconds["dp"] / seconds["nonprivate"],
+        "nonprivate_peak_mb": peaks["nonprivate"] / 2**20, "dp_peak_mb": peaks["dp"] / 2**20,
+        "dp_peak_mem_ratio": peaks["dp"] / peaks["nonprivate"],
+    }
+    for mode in ("opacus_ghost", "opacus_hooks"):
+        if mode in seconds:
+            result[f"{mode}_s"] = seconds[mode]
+            result[f"{mode}_ratio"] = seconds[mode] / seconds["nonprivate"]
+            result[f"{mode}_peak_mem_ratio"] = peaks[mode] / peaks["nonprivate"]
+    result["max_abs_err_vs_naive"] = naive_error(config, images[:NAIVE_SAMPLES])
+    result["target_ratio"] = TARGET_RATIO
+    if opacus:
+        result["opacus_model"] = "the same MAE modules re-assembled with cls/mask tokens in submodules (opacus_mae)"
+    return result
+
+
+# ------------------------------------------------------------------------------------------------ the modes
+
+MAX_GRAD_NORM = 1.0
+NOISE_MULTIPLIER = 1.0
+LR = 1e-4
+
+
+def _step_functions(config: Any, images: Any, opacus: bool) -> dict[str, tuple[Callable[[], None], list]]:
+    """``name -> (one optimiser step, tensors held between steps)`` for every mode, each on its own copy."""
+    import torch
+
+    from vip_core.models.mae import build_mae
+    from vip_core.privacy.engine import privatized_gradients
+    from vip_core.privacy.optimizer import dp_adamw
+
+    base = build_mae(config.model)
+    batch = images.shape[0]
+    steps: dict[str, tuple[Callable[[], None], list]] = {}
+
+    plain = copy.deepcopy(base)
+    plain_opt = dp_adamw(plain, lr=LR)
+
+    def nonprivate() -> None:
+        plain_opt.zero_grad(set_to_none=True)
+        plain(images)[0].mean().backward()
+        plain_opt.step()
+
+    steps["nonprivate"] = (nonprivate, [plain, plain_opt])
+
+    private = copy.deepcopy(base)
+    private_opt = dp_adamw(private, lr=LR)
+    generator = torch.Generator().manual_seed(1)
+
+    def dp() -> None:
+        private_opt.zero_grad(set_to_none=True)
+        privatized_gradients(
+            private, lambda model, x: model(x)[0], images, max_grad_norm=MAX_GRAD_NORM,
+            noise_multiplier=NOISE_MULTIPLIER, expected_batch_size=batch, generator=generator,
+        )
+        private_opt.step()
+
+    steps["dp"] = (dp, [private, private_opt])
+    if opacus:
+        steps["opacus_ghost"] = _opacus_step(base, images, ghost=True)
+        steps["opacus_hooks"] = _opacus_step(base, images, ghost=False)
+    return steps
+
+
+def _opacus_step(base: Any, images: Any, *, ghost: bool) -> tuple[Callable[[], None], list]:
+    import torch
+    from opacus.grad_sample import GradSampleModule, GradSampleModuleFastGradientClipping
+    from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
+    from opacus.utils.fast_gradient_clipping_utils import DPTensorFastGradientClipping
+
+    wrapped = opacus_mae(copy.deepcopy(base))
+    adamw = torch.optim.AdamW([p for p in wrapped.parameters() if p.requires_grad], lr=LR)
+    common = dict(noise_multiplier=NOISE_MULTIPLIER, max_grad_norm=MAX_GRAD_NORM, expected_batch_size=images.shape[0])
+    if ghost:
+        module = GradSampleModuleFastGradientClipping(
+            wrapped, loss_reduction="sum", max_grad_norm=MAX_GRAD_NORM, use_ghost_clipping=True
+        )
+        optimizer = DPOptimizerFastGradientClipping(adamw, loss_reduction="sum", **common)
+
+        def step() -> None:
+            optimizer.zero_grad(set_to_none=True)
+            DPTensorFastGradientClipping(module, optimizer, module(images), "sum").backward()
+            optimizer.step()
+    else:
+        module = GradSampleModule(wrapped, loss_reduction="sum")
+        optimizer = DPOptimizer(adamw, loss_reduction="sum", **common)
+
+        def step() -> None:
+            optimizer.zero_grad(set_to_none=True)
+            module(images).sum().backward()
+            optimizer.step()
+
+    return step, [wrapped, optimizer.original_optimizer]
+
+
+def _token_holders() -> tuple[type, type]:
+    """Submodules with one tensor input each (opacus vmaps a module over its first input only)."""
+    import torch
+    from torch import nn
+
+    class ClassToken(nn.Module):
+        """Prepends the class token to the visible tokens."""
+
+        def __init__(self, token: nn.Parameter) -> None:
+            super().__init__()
+            self.token = token
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.cat([self.token.expand(x.shape[0], -1, -1), x], dim=1)  # [N, 1 + len_keep, D]
+
+    class MaskTokens(nn.Module):
+        """Appends one mask token per masked patch after the visible patch tokens (class token dropped)."""
+
+        def __init__(self, token: nn.Parameter, num_patches: int) -> None:
+            super().__init__()
+            self.token = token
+            self.num_patches = num_patches
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            n, visible, _ = x.shape
+            masked = self.token.expand(n, self.num_patches + 1 - visible, -1)  # masked: [N, L - len_keep, Dd]
+            return torch.cat([x[:, 1:, :], masked], dim=1)  # [N, L, Dd], in noise order
+
+    return ClassToken, MaskTokens
+
+
+def opacus_mae(mae: Any) -> Any:
+    """The MAE's own modules and parameters, with the tokens held by submodules so that opacus hooks
+    every layer instead of vmapping the whole forward. ``forward(imgs) -> [N]`` losses."""
+    import torch
+    from torch import nn
+
+    class_token, mask_tokens = _token_holders()
+
+    class _OpacusMAE(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.patch_embed, self.blocks, self.norm = mae.patch_embed, mae.blocks, mae.norm
+            self.decoder_embed, self.decoder_blocks = mae.decoder_embed, mae.decoder_blocks
+            self.decoder_norm, self.decoder_pred = mae.decoder_norm, mae.decoder_pred
+            self.cls = class_token(mae.cls_token)
+            self.mask = mask_tokens(mae.mask_token, mae.num_patches)
+            self.mae_functions = [mae]  # a list: not a submodule, so its root parameters are not seen twice
+
+        def forward(self, imgs: torch.Tensor) -> torch.Tensor:
+            core = self.mae_functions[0]
+            x = self.patch_embed(imgs) + core.pos_embed[:, 1:, :]  # x: [N, L, D]
+            x, mask, ids_restore = core.random_masking(x, core.mask_ratio, core.masking_noise(imgs.shape[0]))
+            x = self.cls(x)  # x: [N, 1 + len_keep, D]
+            x = torch.cat([x[:, :1, :] + core.pos_embed[:, :1, :], x[:, 1:, :]], dim=1)
+            for block in self.blocks:
+                x = block(x)
+            x = self.decoder_embed(self.norm(x))  # x: [N, 1 + len_keep, Dd]
+            patches = self.mask(x)  # patches: [N, L, Dd]
+            dim = patches.shape[-1]
+            patches = torch.gather(patches, 1, ids_restore.unsqueeze(-1).expand(-1, -1, dim))  # image order
+            x = torch.cat([x[:, :1, :], patches], dim=1) + core.decoder_pos_embed  # x: [N, 1 + L, Dd]
+            for block in self.decoder_blocks:
+                x = block(x)
+            pred = self.decoder_pred(self.decoder_norm(x))[:, 1:, :]  # pred: [N, L, p*p*3]
+            return core.forward_loss(imgs, pred, mask)  # [N]
+
+    return _OpacusMAE()
+
+
+# ------------------------------------------------------------------------------------------------ measuring
+
+
+def _interleaved_medians(steps: dict[str, tuple[Callable[[], None], list]], repeats: int, warmup: int) -> dict[str, float]:
+    """Runs the modes in turn (A, B, C, A, B, C, ...) and returns each one's median seconds per step."""
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for round_index in range(warmup + repeats):
+        for name, (step, _) in steps.items():
+            start = time.perf_counter()
+            step()
+            if round_index >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def _peak_bytes(step: Callable[[], None], held: list) -> int:
+    """Bytes held before the step (parameters, optimiser state) plus the peak of the step's own tensors."""
+    counter = _live_tensor_bytes_class()()
+    with counter:
+        step()
+    return _held_bytes(held) + counter.peak
+
+
+def _held_bytes(objects: list) -> int:
+    import torch
+
+    storages: dict[int, int] = {}
+    for obj in objects:
+        tensors = list(obj.parameters()) if isinstance(obj, torch.nn.Module) else _optimizer_tensors(obj)
+        for tensor in tensors:
+            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def _optimizer_tensors(optimizer: Any) -> list:
+    import torch
+
+    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
+def _live_tensor_bytes_class() -> type:
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class LiveTensorBytes(TorchDispatchMode):
+        """Counts the bytes of tensor storages created while active, until each storage is freed."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.live = 0
+            self.peak = 0
+            self.sizes: dict[int, int] = {}
+
+        def _free(self, key: int) -> None:
+            self.live -= self.sizes.pop(key)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            out = func(*args, **(kwargs or {}))
+            for tensor in tree_leaves(out):
+                if hasattr(tensor, "untyped_storage"):
+                    storage = tensor.untyped_storage()
+                    key = id(storage)
+                    if key not in self.sizes and storage.nbytes():
+                        self.sizes[key] = storage.nbytes()
+                        self.live += storage.nbytes()
+                        self.peak = max(self.peak, self.live)
+                        weakref.finalize(storage, self._free, key)
+            return out
+
+    return LiveTensorBytes
+
+
+
+
+def naive_error(config: Any, images: Any) -> float:
+    """Largest absolute difference between the engine's clipped sum and a one-at-a-time reference."""
+    import torch
+
+    from vip_core.models.mae import build_mae
+    from vip_core.privacy.engine import privatized_gradients
+
+    mae = build_mae(config.model)
+    noise = torch.rand(images.shape[0], config.model.num_patches, generator=torch.Generator().manual_seed(3))
+    params = [p for p in mae.parameters() if p.requires_grad]
+    reference = [torch.zeros_like(p, dtype=torch.float64) for p in params]
+    for i in range(images.shape[0]):
+        grads = torch.autograd.grad(mae(images[i : i + 1], noise=noise[i : i + 1])[0].sum(), params)
+        norm = float(torch.sqrt(sum(g.double().square().sum() for g in grads)))
+        factor = min(1.0, MAX_GRAD_NORM / (norm + 1e-6))
+        for acc, grad in zip(reference, grads):
+            acc += factor * grad.double()
+    privatized_gradients(
+        mae, lambda model, inp: model(inp[0], noise=inp[1])[0], (images, noise), max_grad_norm=MAX_GRAD_NORM,
+        noise_multiplier=0.0, expected_batch_size=1.0,
+    )
+    return max(float((p.grad.double() - r).abs().max()) for p, r in zip(params, reference))

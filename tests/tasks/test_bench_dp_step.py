@@ -1,0 +1,42 @@
+"""``vip bench dp-step`` smoke test: the JSON figures are there and the engine matches the naive reference.
+No timing is asserted: the figures are for people to read."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from tasks.benchmarks.dp_step import opacus_mae
+from tasks.cli import main
+from vip_core.config import get_preset
+from vip_core.models.mae import build_mae
+
+KEYS = (
+    "nonprivate_s", "dp_s", "dp_ratio", "dp_peak_mem_ratio", "opacus_ghost_ratio", "opacus_hooks_ratio",
+    "max_abs_err_vs_naive",
+)
+
+
+def test_bench_dp_step_prints_the_figures_as_json(capsys):
+    code = main(["bench", "dp-step", "--json", "--batch", "8", "--repeats", "1", "--warmup", "0", "--threads", "1"])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    for key in KEYS:
+        assert isinstance(result[key], float) and result[key] >= 0, key
+    assert result["max_abs_err_vs_naive"] < 1e-5
+    assert result["dp_ratio"] == result["dp_s"] / result["nonprivate_s"]
+
+
+def test_bench_rejects_an_image_size_that_does_not_fit_the_patches(capsys):
+    assert main(["bench", "dp-step", "--json", "--img-size", "30"]) == 2
+    assert "img-size" in capsys.readouterr().err
+
+
+def test_opacus_wrapper_computes_the_mae_loss():
+    mae = build_mae(get_preset("tiny").model)
+    imgs = torch.randn(3, 3, 32, 32)
+    torch.manual_seed(5)
+    expected = mae(imgs)[0]
+    torch.manual_seed(5)
+    assert torch.allclose(opacus_mae(mae)(imgs), expected, atol=1e-6)
