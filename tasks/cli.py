@@ -21,6 +21,8 @@ COMMAND_MODULES = (
     "tasks.commands.render",
     "tasks.commands.ingest",
     "tasks.commands.evaluate",
+    "tasks.commands.bench",
+    "tasks.commands.pretrain",
 )
 
 
