@@ -169,3 +169,12 @@ def test_contact_sheet_tiles_images():
     sheet = contact_sheet(tiles, columns=4, gap=2)
     assert sheet.shape == (3 * 10 + 2, 4 * 10 + 2, 3)
     assert np.all(sheet[2:10, 12:20] == 20)
+
+
+@pytest.mark.gpu
+def test_renders_on_the_gpu_driver_when_there_is_one():
+    with ShaderRenderer(64) as gl:
+        assert not any(name in gl.device.lower() for name in ("llvmpipe", "softpipe", "swrast")), gl.device
+        first = gl.render_source(generate_program(11).source, time=2.5)
+        assert not is_near_constant(first)
+        assert gl.render_source(generate_program(11).source, time=2.5).tobytes() == first.tobytes()

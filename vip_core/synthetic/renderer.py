@@ -8,7 +8,9 @@ shows them. The context is not shared: each worker process makes its own rendere
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,16 +49,40 @@ class CompiledProgram:
             self.program.release()
 
 
+SOFTWARE_RENDERERS = ("llvmpipe", "softpipe", "swrast")
+MAX_EGL_DEVICES = 16
+
+
 def create_context(device_index: int | None = None) -> Any:
     """A standalone OpenGL >= 4.3 context through EGL (no display needed).
 
     Args:
-        device_index: the EGL device to use; None: ``$GLCONTEXT_DEVICE_INDEX``, else the first.
+        device_index: the EGL device to use; None: ``$GLCONTEXT_DEVICE_INDEX`` if set, else the first
+            device with a hardware driver (a GPU), else the first device (Mesa's llvmpipe on the CPU).
     """
     import moderngl
 
+    if device_index is None and "GLCONTEXT_DEVICE_INDEX" not in os.environ:
+        device_index = hardware_device_index()
     kwargs = {} if device_index is None else {"device_index": device_index}
     return moderngl.create_standalone_context(backend="egl", require=430, **kwargs)
+
+
+@functools.lru_cache(maxsize=1)
+def hardware_device_index() -> int | None:
+    """The index of the first EGL device whose OpenGL renderer is not a software one; None if none."""
+    import moderngl
+
+    for index in range(MAX_EGL_DEVICES):
+        try:
+            ctx = moderngl.create_standalone_context(backend="egl", require=430, device_index=index)
+        except Exception:  # past the last device, or a device without OpenGL 4.3
+            continue
+        renderer = str(ctx.info["GL_RENDERER"]).lower()
+        ctx.release()
+        if not any(name in renderer for name in SOFTWARE_RENDERERS):
+            return index
+    return None
 
 
 class ShaderRenderer:
