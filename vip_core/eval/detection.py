@@ -1,0 +1,189 @@
+"""COCO detection (and instance masks when the annotations have them) with a plain ViT backbone.
+
+The encoder feeds ViTDet's simple feature pyramid (:mod:`vip_core.eval.pyramid`), which feeds
+torchvision's Faster R-CNN (boxes) or Mask R-CNN (boxes and masks). Images are resized to a square of
+``img_size`` (the encoder's position embeddings are resampled to that grid); the detector is trained end
+to end with AdamW and layer-wise lr decay on the encoder, and evaluated by pycocotools on the original
+image coordinates: AP (IoU 0.50:0.95) and AP50 for boxes, and for masks when present.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+from torchvision.models.detection import FasterRCNN, MaskRCNN
+from torchvision.models.detection.anchor_utils import AnchorGenerator
+from torchvision.models.detection.faster_rcnn import FastRCNNPredictor, TwoMLPHead
+from torchvision.models.detection.mask_rcnn import MaskRCNNHeads, MaskRCNNPredictor
+from torchvision.ops import MultiScaleRoIAlign
+
+from vip_core.eval.datasets import (
+    IMAGENET_MEAN, IMAGENET_STD, CocoDetectionDataset, coco_has_masks, coco_paths, detection_collate, read_coco_json,
+)
+from vip_core.eval.optim import layer_decay_param_groups, warmup_cosine
+from vip_core.eval.pyramid import SimpleFeaturePyramid, resize_encoder
+
+logger = logging.getLogger(__name__)
+
+LEVELS = ["0", "1", "2", "3"]
+
+
+@dataclass(frozen=True)
+class DetectionSettings:
+    """Detector training: square ``img_size`` inputs, pyramid width ``channels``, AdamW at ``lr``."""
+
+    img_size: int
+    channels: int
+    epochs: int
+    lr: float
+    batch_size: int
+    layer_decay: float
+    weight_decay: float = 0.1
+    seed: int = 0
+
+
+def build_detector(encoder: nn.Module, num_classes: int, with_masks: bool, settings: DetectionSettings) -> nn.Module:
+    """Faster/Mask R-CNN on the simple pyramid; anchors are 8x each level's stride, as in torchvision's FPN."""
+    backbone = SimpleFeaturePyramid(resize_encoder(encoder, settings.img_size), settings.channels)
+    anchors = AnchorGenerator(sizes=tuple((8 * stride,) for stride in backbone.strides),
+                              aspect_ratios=((0.5, 1.0, 2.0),) * len(backbone.strides))
+    representation = 4 * settings.channels
+    common = dict(
+        num_classes=None, min_size=settings.img_size, max_size=settings.img_size, size_divisible=settings.img_size,
+        image_mean=list(IMAGENET_MEAN), image_std=list(IMAGENET_STD), rpn_anchor_generator=anchors,
+        box_roi_pool=MultiScaleRoIAlign(LEVELS, output_size=7, sampling_ratio=2),
+        box_head=TwoMLPHead(settings.channels * 7 * 7, representation),
+        box_predictor=FastRCNNPredictor(representation, num_classes + 1),
+    )
+    if not with_masks:
+        return FasterRCNN(backbone, **common)
+    return MaskRCNN(
+        backbone, **common, mask_roi_pool=MultiScaleRoIAlign(LEVELS, output_size=14, sampling_ratio=2),
+        mask_head=MaskRCNNHeads(settings.channels, [settings.channels] * 2, 1),
+        mask_predictor=MaskRCNNPredictor(settings.channels, settings.channels, num_classes + 1),
+    )
+
+
+def train_detector(detector: nn.Module, dataset: CocoDetectionDataset, settings: DetectionSettings,
+                   device: torch.device) -> nn.Module:
+    """End-to-end training for ``settings.epochs`` epochs; returns the detector in eval mode."""
+    torch.manual_seed(settings.seed)
+    loader = DataLoader(dataset, batch_size=settings.batch_size, shuffle=True, collate_fn=detection_collate)
+    total = settings.epochs * len(loader)
+    optimizer = torch.optim.AdamW(layer_decay_param_groups(
+        detector, "backbone.encoder.", len(detector.backbone.encoder.blocks), settings.lr, settings.weight_decay,
+        settings.layer_decay), lr=settings.lr)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, total, max(1, total // 10)))
+    detector.to(device).train()
+    for epoch in range(settings.epochs):
+        for images, targets in loader:
+            losses = detector([image.to(device) for image in images],
+                              [{key: value.to(device) for key, value in target.items()} for target in targets])
+            loss = sum(losses.values())
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+        logger.info("detection epoch %d: last loss %.4f (%s)", epoch, loss.item(),
+                    {k: round(v.item(), 4) for k, v in losses.items()})
+    return detector.eval()
+
+
+@torch.no_grad()
+def predict_coco(detector: nn.Module, dataset: CocoDetectionDataset, batch_size: int,
+                 device: torch.device) -> list[dict[str, Any]]:
+    """Detections in COCO result format, in each image's original coordinates."""
+    from pycocotools import mask as mask_utils
+
+    detector.to(device).eval()
+    results = []
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=detection_collate)
+    infos = iter(dataset.images)
+    for images, _ in loader:
+        for output in detector([image.to(device) for image in images]):
+            results += _to_coco(output, next(infos), dataset, mask_utils)
+    return results
+
+
+def _to_coco(output: dict[str, torch.Tensor], info: dict[str, Any], dataset: CocoDetectionDataset,
+             mask_utils: Any) -> list[dict[str, Any]]:
+    sx, sy = info["width"] / dataset.size, info["height"] / dataset.size
+    boxes = output["boxes"].cpu() * torch.tensor([sx, sy, sx, sy])  # [K, 4] x0 y0 x1 y1, original frame
+    masks = None
+    if "masks" in output and len(output["masks"]):
+        full = nn.functional.interpolate(output["masks"].float(), size=(info["height"], info["width"]),
+                                         mode="bilinear", align_corners=False)  # [K, 1, H, W]
+        masks = (full[:, 0] > 0.5).cpu().numpy().astype(np.uint8)  # [K, H, W]
+    detections = []
+    for k, (box, score, label) in enumerate(zip(boxes.tolist(), output["scores"].tolist(), output["labels"].tolist())):
+        entry = {"image_id": info["id"], "category_id": dataset.category_ids[label - 1], "score": score,
+                 "bbox": [box[0], box[1], box[2] - box[0], box[3] - box[1]]}
+        if masks is not None:
+            rle = mask_utils.encode(np.asfortranarray(masks[k]))
+            rle["counts"] = rle["counts"].decode("ascii")
+            entry["segmentation"] = rle
+        detections.append(entry)
+    return detections
+
+
+def coco_average_precision(annotation_file: Path, detections: list[dict[str, Any]], iou_type: str) -> dict[str, float]:
+    """``{"ap": AP@[.5:.95], "ap50": AP@.5}`` from pycocotools (0 when there is no detection at all)."""
+    from pycocotools.coco import COCO
+    from pycocotools.cocoeval import COCOeval
+
+    # loadRes reads "bbox" before "segmentation" and overwrites masks with box polygons: give it one kind
+    dropped = "segmentation" if iou_type == "bbox" else "bbox"
+    detections = [{k: v for k, v in entry.items() if k != dropped} for entry in detections]
+    if not detections:
+        return {"ap": 0.0, "ap50": 0.0}
+    report = io.StringIO()
+    with contextlib.redirect_stdout(report):  # pycocotools prints its progress and summary
+        ground_truth = COCO(str(annotation_file))
+        evaluation = COCOeval(ground_truth, ground_truth.loadRes(detections), iouType=iou_type)
+        evaluation.evaluate()
+        evaluation.accumulate()
+        evaluation.summarize()
+    logger.info("pycocotools %s:\n%s", iou_type, report.getvalue())
+    ap, ap50 = (max(0.0, float(value)) for value in evaluation.stats[:2])  # -1 means "no ground truth"
+    return {"ap": ap, "ap50": ap50}
+
+
+def open_coco(root: str | Path) -> dict[str, Any]:
+    """Paths and parsed annotations of both splits; whether masks are available (in both)."""
+    splits = {}
+    for split in ("train", "val"):
+        annotation_file, image_dir = coco_paths(root, split)
+        splits[split] = {"annotations": annotation_file, "images": image_dir, "data": read_coco_json(annotation_file)}
+    train_categories = sorted(c["id"] for c in splits["train"]["data"]["categories"])
+    if sorted(c["id"] for c in splits["val"]["data"]["categories"]) != train_categories:
+        raise ValueError(f"COCO annotation files under {root} disagree on the categories")
+    splits["with_masks"] = all(coco_has_masks(splits[s]["data"]) for s in ("train", "val"))
+    return splits
+
+
+def detection_eval(encoder: nn.Module, root: str | Path, settings: DetectionSettings,
+                   device: torch.device) -> dict[str, float]:
+    """Trains a detector on ``root``'s train split and returns AP on its val split."""
+    splits = open_coco(root)
+    with_masks = splits["with_masks"]
+    train = CocoDetectionDataset(splits["train"]["data"], splits["train"]["images"], settings.img_size, with_masks)
+    val = CocoDetectionDataset(splits["val"]["data"], splits["val"]["images"], settings.img_size, with_masks)
+    detector = build_detector(encoder, len(train.category_ids), with_masks, settings)
+    train_detector(detector, train, settings, device)
+    detections = predict_coco(detector, val, settings.batch_size, device)
+    box = coco_average_precision(splits["val"]["annotations"], detections, "bbox")
+    metrics = {"ap_box": box["ap"], "ap50_box": box["ap50"]}
+    if with_masks:
+        mask = coco_average_precision(splits["val"]["annotations"], detections, "segm")
+        metrics.update(ap_mask=mask["ap"], ap50_mask=mask["ap50"])
+    metrics["detections"] = float(len(detections))
+    return metrics

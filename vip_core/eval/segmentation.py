@@ -1,0 +1,131 @@
+"""ADE20K semantic segmentation: the encoder, the simple feature pyramid and a light fusion head; mIoU.
+
+The head upsamples the four pyramid levels to the finest one, sums them, applies a 3x3 convolution
+with BatchNorm and ReLU and a 1x1 classifier; logits are upsampled bilinearly to the input. (This is a
+light decoder, not the UperNet of the MAE/ViP papers' tables.) Training is end to end with AdamW and
+layer-wise lr decay on the encoder, cross-entropy ignoring ADE20K's label 0. Evaluation upsamples the
+logits to each label map's original size and reports mIoU over the classes that occur in the ground
+truth or the predictions, and pixel accuracy.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from vip_core.eval.datasets import IGNORE_LABEL, SegmentationDataset, ade20k_pairs, ade20k_root, segmentation_collate
+from vip_core.eval.optim import layer_decay_param_groups, warmup_cosine
+from vip_core.eval.pyramid import SCALES, SimpleFeaturePyramid, resize_encoder
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SegmentationSettings:
+    """Segmenter training: square ``img_size`` inputs, ``num_classes`` classes (ADE20K: 150)."""
+
+    img_size: int
+    channels: int
+    num_classes: int
+    epochs: int
+    lr: float
+    batch_size: int
+    layer_decay: float
+    weight_decay: float = 0.05
+    seed: int = 0
+
+
+class Segmenter(nn.Module):
+    """Pyramid levels upsampled to the finest, summed, 3x3 conv-BN-ReLU, 1x1 classifier."""
+
+    def __init__(self, encoder: nn.Module, num_classes: int, channels: int) -> None:
+        super().__init__()
+        self.backbone = SimpleFeaturePyramid(encoder, channels)
+        self.fuse = nn.Sequential(nn.Conv2d(channels, channels, 3, padding=1, bias=False),
+                                  nn.BatchNorm2d(channels), nn.ReLU(inplace=True))
+        self.classifier = nn.Conv2d(channels, num_classes, 1)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        maps = self.backbone(images)
+        finest = maps["0"]  # [N, C, 4H/p, 4W/p]
+        fused = finest
+        for level in range(1, len(SCALES)):
+            fused = fused + nn.functional.interpolate(maps[str(level)], size=finest.shape[-2:], mode="bilinear",
+                                                      align_corners=False)
+        logits = self.classifier(self.fuse(fused))  # [N, K, 4H/p, 4W/p]
+        return nn.functional.interpolate(logits, size=images.shape[-2:], mode="bilinear", align_corners=False)
+
+
+def train_segmenter(model: Segmenter, dataset: SegmentationDataset, settings: SegmentationSettings,
+                    device: torch.device) -> Segmenter:
+    """End-to-end training for ``settings.epochs`` epochs; returns the model in eval mode."""
+    torch.manual_seed(settings.seed)
+    loader = DataLoader(dataset, batch_size=settings.batch_size, shuffle=True, collate_fn=segmentation_collate,
+                        drop_last=len(dataset) > settings.batch_size)
+    total = settings.epochs * len(loader)
+    optimizer = torch.optim.AdamW(layer_decay_param_groups(
+        model, "backbone.encoder.", len(model.backbone.encoder.blocks), settings.lr, settings.weight_decay,
+        settings.layer_decay), lr=settings.lr)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, total, max(1, total // 10)))
+    model.to(device).train()
+    for epoch in range(settings.epochs):
+        for images, labels in loader:
+            logits = model(images.to(device))  # [N, K, S, S]
+            loss = nn.functional.cross_entropy(logits, torch.stack(labels).to(device), ignore_index=IGNORE_LABEL)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+        logger.info("segmentation epoch %d: last loss %.4f", epoch, loss.item())
+    return model.eval()
+
+
+def confusion_matrix(predicted: torch.Tensor, labels: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """``[K, K]`` counts, rows the true class, ignoring :data:`IGNORE_LABEL` pixels."""
+    keep = labels != IGNORE_LABEL
+    index = labels[keep] * num_classes + predicted[keep]
+    return torch.bincount(index, minlength=num_classes * num_classes).reshape(num_classes, num_classes)
+
+
+def miou_from_confusion(confusion: torch.Tensor) -> dict[str, float]:
+    """mIoU over classes present in the ground truth or the predictions, and pixel accuracy."""
+    confusion = confusion.double()
+    intersection = confusion.diag()
+    union = confusion.sum(0) + confusion.sum(1) - intersection
+    present = union > 0
+    iou = intersection[present] / union[present]
+    total = confusion.sum()
+    return {"miou": iou.mean().item() if present.any() else 0.0,
+            "pixel_accuracy": (intersection.sum() / total).item() if total > 0 else 0.0,
+            "classes_scored": float(present.sum().item())}
+
+
+@torch.no_grad()
+def evaluate_segmenter(model: Segmenter, dataset: SegmentationDataset, batch_size: int,
+                       device: torch.device) -> dict[str, float]:
+    """mIoU and pixel accuracy at each label map's original resolution."""
+    model.to(device).eval()
+    num_classes = dataset.num_classes
+    confusion = torch.zeros(num_classes, num_classes, dtype=torch.int64)
+    for images, labels in DataLoader(dataset, batch_size=batch_size, collate_fn=segmentation_collate):
+        logits = model(images.to(device)).float().cpu()  # [N, K, S, S]
+        for one, truth in zip(logits, labels):
+            full = nn.functional.interpolate(one[None], size=truth.shape, mode="bilinear", align_corners=False)
+            confusion += confusion_matrix(full[0].argmax(0), truth, num_classes)  # truth: [H, W]
+    return miou_from_confusion(confusion)
+
+
+def segmentation_eval(encoder: nn.Module, root: str | Path, settings: SegmentationSettings,
+                      device: torch.device) -> dict[str, float]:
+    """Trains a segmenter on ``root``'s training split and returns mIoU on its validation split."""
+    root = ade20k_root(root)
+    train = SegmentationDataset(ade20k_pairs(root, "train"), settings.img_size, settings.num_classes, train=True)
+    val = SegmentationDataset(ade20k_pairs(root, "val"), settings.img_size, settings.num_classes, train=False)
+    model = Segmenter(resize_encoder(encoder, settings.img_size), settings.num_classes, settings.channels)
+    train_segmenter(model, train, settings, device)
+    return evaluate_segmenter(model, val, settings.batch_size, device)
