@@ -75,7 +75,8 @@ def run_render(config: VipConfig, output: str | Path, shaders: str | Path | None
     Args:
         config: the run's configuration (``data.render`` is used).
         output: the shard folder.
-        shaders: a folder of ``.frag`` / ``.glsl`` Shadertoy programs; None: the built-in generator.
+        shaders: a folder of Shadertoy programs (GLSL ``.frag`` / ``.glsl``, or Shadertoy JSON ``.json`` /
+            Shaders21k ``.fragment``); None: the built-in generator.
 
     Returns:
         output, images, shards, rendered_shards (this call), resumed_shards (found complete), skipped

@@ -161,3 +161,16 @@ def test_vip_render_bad_input_is_one_line(tmp_path, capsys):
     assert error.startswith("vip render: error:") and "data.render.size" in error and "\n" not in error
     assert main(["render", "--out", str(tmp_path / "bad"), "--shaders", str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_tiny_preset_render_on_two_workers_with_6_mixup(tmp_path):
+    config = with_overrides(get_preset("tiny"), {"data.render.workers": 2, "data.render.mixup": 6,
+                                                 "data.render.samples_per_shard": 64, "data.render.size": 64})
+    result = run_render(config, tmp_path / "tiny")
+    assert result["images"] == 256 and result["shards"] == 4
+    records = _manifest(tmp_path / "tiny")
+    assert len({record["key"] for record in records}) == 256
+    assert all(len(record["components"]) == 6 for record in records)
+    programs = {component["program"] for record in records for component in record["components"]}
+    assert len(programs) >= 256 // 8 - 2

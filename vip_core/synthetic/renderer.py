@@ -32,6 +32,10 @@ DATE = (2024.0, 5.0, 15.0, 43_200.0)
 MIN_PIXEL_STD = 4.0
 
 
+class GLContextError(RuntimeError):
+    """No OpenGL context could be made: EGL or a driver is missing."""
+
+
 class ShaderCompileError(ValueError):
     """A program that the GL driver refuses to compile or link; the message is the driver's log."""
 
@@ -65,7 +69,12 @@ def create_context(device_index: int | None = None) -> Any:
     if device_index is None and "GLCONTEXT_DEVICE_INDEX" not in os.environ:
         device_index = hardware_device_index()
     kwargs = {} if device_index is None else {"device_index": device_index}
-    return moderngl.create_standalone_context(backend="egl", require=430, **kwargs)
+    try:
+        return moderngl.create_standalone_context(backend="egl", require=430, **kwargs)
+    except Exception as error:  # moderngl and glcontext raise plain Exception
+        raise GLContextError(
+            f"no OpenGL 4.3 context through EGL ({error}); on Debian, `make gl-libs` installs Mesa's EGL and llvmpipe"
+        ) from error
 
 
 @functools.lru_cache(maxsize=1)
