@@ -75,4 +75,4 @@ def physical_batches(indices: torch.Tensor, physical_batch_size: int) -> list[to
     """Splits a logical batch's indices into consecutive chunks of at most ``physical_batch_size``."""
     if physical_batch_size <= 0:
         raise ValueError(f"physical_batch_size must be > 0, got {physical_batch_size}")
-    return list(indices.split(physical_batch_size))
+    return [indices[start : start + physical_batch_size] for start in range(0, len(indices), physical_batch_size)]
