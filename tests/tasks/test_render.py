@@ -163,6 +163,18 @@ def test_vip_render_bad_input_is_one_line(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+def test_vip_bench_render_reports_both_rates(capsys, monkeypatch):
+    monkeypatch.setenv("MESA_SHADER_CACHE_DISABLE", "false")  # restored after the test: the bench turns it off
+    code = main(["bench", "render", "--json", "--sizes", "32", "--num-images", "8", "--images-per-program", "4",
+                 "--repeats", "1"])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    row = result["sizes"]["32"]
+    assert row["bare_images_per_s"] > 0 and row["stage_images_per_s"] > 0
+    assert row["stage_over_bare"] == pytest.approx(row["stage_images_per_s"] / row["bare_images_per_s"], rel=0.01)
+    assert result["device"] and result["meets_target"] == (row["stage_over_bare"] >= 0.7)
+
+
 @pytest.mark.slow
 def test_tiny_preset_render_on_two_workers_with_6_mixup(tmp_path):
     config = with_overrides(get_preset("tiny"), {"data.render.workers": 2, "data.render.mixup": 6,
