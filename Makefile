@@ -68,3 +68,14 @@ render: setup
 	$(VIP) render --preset $(PRESET) --out $(VIP_HOME)/data/synthetic --num-images $(RENDER_IMAGES) --size $(RENDER_SIZE)
 
 .PHONY: gl-libs render
+
+# `make ingest URL_LIST=laion.parquet [EVAL_IMAGES=folder]`: a LAION-format url list into clean web shards in
+# $(VIP_HOME)/data/web. Without URL_LIST: the sample web of photographs (and its bad cases) served on 127.0.0.1.
+URL_LIST ?=
+EVAL_IMAGES ?=
+INGEST_OUT ?= $(VIP_HOME)/data/web
+ingest: setup
+	$(if $(URL_LIST),$(VIP) ingest --preset $(PRESET) --url-list $(URL_LIST) --output $(INGEST_OUT) \
+	    $(if $(EVAL_IMAGES),--eval-images $(EVAL_IMAGES)),$(PY) -m tasks.demo_web --preset $(PRESET) --output $(INGEST_OUT))
+
+.PHONY: ingest

@@ -161,6 +161,7 @@ class SampleWeb:
         self.release = threading.Event()
         self.requests: Counter[str] = Counter()
         self._lock = threading.Lock()
+        _bomb_png()  # made before serving, so that it is not a time-out on a loaded machine
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler_class(self))
         self._server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"

@@ -288,7 +288,7 @@ class ShardCleaner:
         self.sample_filter = sample_filter
         self.contamination = contamination
         self.dedup = Deduplicator(settings.phash_max_distance)
-        _write_url_input(layout.url_input, self.urls)
+        write_img2dataset_input(layout.url_input, self.urls)
 
     def remember(self, records: list[dict[str, Any]]) -> None:
         """Adds the kept samples of a shard cleaned earlier to the duplicate index."""
@@ -386,12 +386,13 @@ def failure_reason(error_message: str | None) -> str:
 # -------------------------------------------------------------------------------------------- writing
 
 
-def _write_url_input(path: Path, urls: list[str | None]) -> None:
+def write_img2dataset_input(path: Path, urls: list[str | None]) -> Path:
     """The url list as img2dataset reads it: ``url`` ("" where missing) and ``row``, written once."""
-    if path.exists():
-        return
-    table = pa.table({"url": [url or "" for url in urls], "row": pa.array(range(len(urls)), pa.int64())})
-    _write_parquet_atomically(table, path)
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        table = pa.table({"url": [url or "" for url in urls], "row": pa.array(range(len(urls)), pa.int64())})
+        _write_parquet_atomically(table, path)
+    return path
 
 
 def _write_shard_atomically(path: Path, samples: list[tuple[str, dict[str, Any]]]) -> None:
