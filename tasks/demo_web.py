@@ -153,7 +153,7 @@ class SampleWeb:
         release: set it to answer ``/slow/...`` at once.
     """
 
-    def __init__(self, root: str | Path, slow_s: float = 3.0, max_side: int = 160) -> None:
+    def __init__(self, root: str | Path, slow_s: float = 3.0, max_side: int = 160, port: int = 0) -> None:
         self.root = Path(root)
         (self.root / "photos").mkdir(parents=True, exist_ok=True)
         self.slow_s = slow_s
@@ -162,7 +162,7 @@ class SampleWeb:
         self.requests: Counter[str] = Counter()
         self._lock = threading.Lock()
         _bomb_png()  # made before serving, so that it is not a time-out on a loaded machine
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler_class(self))
+        self._server = ThreadingHTTPServer(("127.0.0.1", port), _handler_class(self))
         self._server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
@@ -259,9 +259,10 @@ def _handler_class(web: SampleWeb) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
-def serve_sample_web(root: str | Path) -> tuple[str, Callable[[], None]]:
-    """Serves the sample web from a thread; returns its base URL and the function that stops it."""
-    web = SampleWeb(root)
+def serve_sample_web(root: str | Path, port: int = 0) -> tuple[str, Callable[[], None]]:
+    """Serves the sample web from a thread on ``port`` (0: a free one); returns its base URL and the
+    function that stops it."""
+    web = SampleWeb(root, port=port)
     return web.url, web.stop
 
 

@@ -12,6 +12,7 @@ from typing import Any
 BENCHMARK_MODULES = (
     "tasks.benchmarks.dp_step",
     "tasks.benchmarks.render",
+    "tasks.benchmarks.ingest",
 )
 
 
