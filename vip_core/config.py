@@ -69,7 +69,7 @@ class PrivacyConfig(_Frozen):
     delta: float | None = Field(None, gt=0, lt=1, description="None: 1/(2N) for the measured N")
     max_grad_norm: float = Field(0.1, gt=0)
     noise_multiplier: float | None = Field(None, description="None: calibrated by the accountant")
-    accountant: Accountant = "prv"
+    accountant: Accountant = "pld"
 
     @field_validator("noise_multiplier")
     @classmethod
@@ -183,7 +183,7 @@ class FinetunePrivacyConfig(_Frozen):
     batch_size: int = Field(256, gt=0, description="expected logical batch size; q = batch_size / N")
     physical_batch_size: int = Field(64, gt=0)
     steps: int = Field(100, gt=0)
-    accountant: Accountant = "prv"
+    accountant: Accountant = "pld"
 
 
 class EvaluationConfig(_Frozen):
@@ -271,7 +271,7 @@ def _paper_preset(name: str, model: ModelConfig) -> VipConfig:
     return VipConfig(
         name=name,
         model=model,
-        privacy=PrivacyConfig(target_epsilon=8.0, max_grad_norm=0.1, accountant="prv"),
+        privacy=PrivacyConfig(target_epsilon=8.0, max_grad_norm=0.1, accountant="pld"),
         data=DataConfig(ingest=IngestConfig(image_size=256), render=RenderConfig(num_images=21_000 * 50, size=256)),
         synthetic=_paper_synthetic_stage(),
         private=_paper_private_stage(),
@@ -288,7 +288,7 @@ def tiny() -> VipConfig:
     return VipConfig(
         name="tiny",
         model=model,
-        privacy=PrivacyConfig(target_epsilon=8.0, max_grad_norm=1.0, accountant="prv"),
+        privacy=PrivacyConfig(target_epsilon=8.0, max_grad_norm=1.0, accountant="pld"),
         data=DataConfig(
             ingest=IngestConfig(image_size=32, min_side=16),
             render=RenderConfig(num_images=256, size=32, images_per_program=8),

@@ -1,0 +1,198 @@
+"""Privacy accounting for DP-SGD: ε of the Poisson-subsampled Gaussian mechanism composed over steps.
+
+Three accountants behind one interface, all of them upper bounds on the true ε:
+
+- ``"pld"`` (default): privacy loss distributions, Google's ``dp_accounting`` (pessimistic estimate,
+  connect-the-dots discretisation). Tight, and fast in every regime measured here.
+- ``"prv"``: privacy random variables (Gopi et al. 2021), ``opacus.accountants.PRVAccountant``. Tight as
+  well, but its upper bound adds its absolute error budget (0.01 by default) to ε, and its run time grows
+  with steps × ε (35 s at σ = 1, q = 0.01, 100,000 steps, where PLD takes 0.6 s).
+- ``"rdp"``: Rényi DP (``opacus.accountants.RDPAccountant``); loose (ε 7.99 where PLD gives 6.83 on the paper's setting) but
+  what most papers, ViP included, report.
+
+The discretisation step of PLD and the error budget of PRV scale with ε (estimated cheaply by RDP),
+so that a large ε (small σ) costs about as much as a small one; both stay upper bounds whatever the step.
+Results are memoised: a training run asks for ε at every step and calibration asks for the same
+points again.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import warnings
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+ACCOUNTANTS = ("pld", "prv", "rdp")
+DEFAULT_ACCOUNTANT = "pld"
+
+# The PLD discretisation interval is ε_RDP / _PLD_RESOLUTION, at least _PLD_MIN_INTERVAL; the PRV error
+# budget is ε_RDP / _PRV_RESOLUTION, at least opacus's default 0.01.
+_PLD_RESOLUTION = 4000.0
+_PLD_MIN_INTERVAL = 1e-5
+_PRV_RESOLUTION = 1000.0
+_PRV_MIN_ERROR = 0.01
+# Calibration stops when σ is known to this relative precision.
+_SIGMA_RELATIVE_TOLERANCE = 1e-3
+
+
+def compute_epsilon(
+    *, noise_multiplier: float, sample_rate: float, steps: int, delta: float, accountant: str = DEFAULT_ACCOUNTANT
+) -> float:
+    """ε after ``steps`` Poisson-subsampled Gaussian steps, an upper bound from the named accountant.
+
+    Args:
+        noise_multiplier: σ, the noise standard deviation over the clipping norm; 0 means no noise (ε = ∞).
+        sample_rate: q, the Poisson sampling probability of each example, in (0, 1].
+        steps: the number of steps taken, >= 0.
+        delta: δ, in (0, 1).
+        accountant: one of ``ACCOUNTANTS``.
+
+    Returns:
+        ε; 0 when ``steps`` is 0 and ``math.inf`` when ``noise_multiplier`` is 0.
+
+    Raises:
+        ValueError: an argument is out of range; the message names it.
+    """
+    check_arguments(noise_multiplier=noise_multiplier, sample_rate=sample_rate, steps=steps, delta=delta,
+                    accountant=accountant)
+    if steps == 0:
+        return 0.0
+    if noise_multiplier == 0:
+        return math.inf
+    return _memoised_epsilon(float(noise_multiplier), float(sample_rate), int(steps), float(delta), accountant)
+
+
+def calibrate_noise_multiplier(
+    *, target_epsilon: float, sample_rate: float, steps: int, delta: float, accountant: str = DEFAULT_ACCOUNTANT
+) -> float:
+    """The smallest σ (to 0.1 %) whose ε after ``steps`` steps is at most ``target_epsilon``; never above it.
+
+    RDP, cheap and never below the tight accountants, gives a σ that is known to be enough; bisection
+    with the named accountant then narrows it down.
+
+    Raises:
+        ValueError: an argument is out of range; the message names it.
+    """
+    if not (math.isfinite(target_epsilon) and target_epsilon > 0):
+        raise ValueError(f"target_epsilon must be > 0, got {target_epsilon}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be an integer >= 1 to calibrate sigma, got {steps!r}")
+    check_arguments(noise_multiplier=1.0, sample_rate=sample_rate, steps=steps, delta=delta, accountant=accountant)
+    sigma = _calibrate_memoised(float(target_epsilon), float(sample_rate), int(steps), float(delta), accountant)
+    log.info("sigma %.5f gives epsilon <= %g (q=%.3g, %d steps, delta=%.3g, %s)",
+             sigma, target_epsilon, sample_rate, steps, delta, accountant)
+    return sigma
+
+
+def check_arguments(*, noise_multiplier: float, sample_rate: float, steps: int, delta: float, accountant: str) -> None:
+    """Raises ValueError naming the first argument out of range."""
+    if not (math.isfinite(noise_multiplier) and noise_multiplier >= 0):
+        raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier}")
+    if not (0 < sample_rate <= 1):
+        raise ValueError(f"sample_rate must lie in (0, 1], got {sample_rate}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"steps must be an integer >= 0, got {steps!r}")
+    if not (0 < delta < 1):
+        raise ValueError(f"delta must lie in (0, 1), got {delta}")
+    if accountant not in ACCOUNTANTS:
+        raise ValueError(f"accountant must be one of {', '.join(ACCOUNTANTS)}, got {accountant!r}")
+
+
+# ------------------------------------------------------------------------------------------- accountants
+
+
+@functools.lru_cache(maxsize=65536)
+def _memoised_epsilon(sigma: float, sample_rate: float, steps: int, delta: float, accountant: str) -> float:
+    return _EPSILON[accountant](sigma, sample_rate, steps, delta)
+
+
+def _dp_sgd_event(sigma: float, sample_rate: float, steps: int):
+    import dp_accounting
+
+    step = dp_accounting.PoissonSampledDpEvent(sample_rate, dp_accounting.GaussianDpEvent(sigma))
+    return dp_accounting.SelfComposedDpEvent(step, steps)
+
+
+def _rdp_epsilon(sigma: float, sample_rate: float, steps: int, delta: float) -> float:
+    from opacus.accountants import RDPAccountant
+
+    accountant = RDPAccountant()
+    accountant.history = [(sigma, sample_rate, steps)]
+    with warnings.catch_warnings():  # "optimal order is the largest alpha": looser, still an upper bound
+        warnings.simplefilter("ignore", UserWarning)
+        return float(accountant.get_epsilon(delta))
+
+
+def _pld_epsilon(sigma: float, sample_rate: float, steps: int, delta: float) -> float:
+    from dp_accounting.pld import pld_privacy_accountant
+
+    interval = max(_memoised_epsilon(sigma, sample_rate, steps, delta, "rdp") / _PLD_RESOLUTION, _PLD_MIN_INTERVAL)
+    accountant = pld_privacy_accountant.PLDAccountant(value_discretization_interval=interval)
+    accountant.compose(_dp_sgd_event(sigma, sample_rate, steps))
+    return float(accountant.get_epsilon(delta))
+
+
+def _prv_epsilon(sigma: float, sample_rate: float, steps: int, delta: float) -> float:
+    from opacus.accountants import PRVAccountant
+
+    eps_error = max(_memoised_epsilon(sigma, sample_rate, steps, delta, "rdp") / _PRV_RESOLUTION, _PRV_MIN_ERROR)
+    accountant = PRVAccountant()
+    accountant.history = [(sigma, sample_rate, steps)]
+    return float(accountant.get_epsilon(delta, eps_error=eps_error))
+
+
+_EPSILON: dict[str, Callable[[float, float, int, float], float]] = {
+    "pld": _pld_epsilon,
+    "prv": _prv_epsilon,
+    "rdp": _rdp_epsilon,
+}
+
+
+# ------------------------------------------------------------------------------------------- calibration
+
+
+@functools.lru_cache(maxsize=1024)
+def _calibrate_memoised(target: float, sample_rate: float, steps: int, delta: float, accountant: str) -> float:
+    def rdp(sigma: float) -> float:
+        return _memoised_epsilon(sigma, sample_rate, steps, delta, "rdp")
+
+    def tight(sigma: float) -> float:
+        return _memoised_epsilon(sigma, sample_rate, steps, delta, accountant)
+
+    low, high = _bracket(rdp, target, start=1.0, shrink=0.5)
+    sigma_rdp = _bisect(rdp, target, low, high)
+    if accountant == "rdp":
+        return sigma_rdp
+    low, high = _bracket(tight, target, start=sigma_rdp, shrink=0.9)
+    return _bisect(tight, target, low, high)
+
+
+def _bracket(
+    epsilon_of: Callable[[float], float], target: float, *, start: float, shrink: float
+) -> tuple[float, float]:
+    """(low, high) with ε(low) > target >= ε(high), from ``start`` (ε falls as σ grows): doubling up,
+    then stepping down by the factor ``shrink``."""
+    high = start
+    while epsilon_of(high) > target:
+        high *= 2.0
+        if high > 1e6:
+            raise ValueError(f"target_epsilon {target} is out of reach: sigma 1e6 does not meet it")
+    low = high * shrink
+    while epsilon_of(low) <= target:
+        high, low = low, low * shrink
+    return low, high
+
+
+def _bisect(epsilon_of: Callable[[float], float], target: float, low: float, high: float) -> float:
+    """The ``high`` end of a bracket narrowed to ``_SIGMA_RELATIVE_TOLERANCE``; ε(high) <= target throughout."""
+    while high - low > _SIGMA_RELATIVE_TOLERANCE * high:
+        middle = 0.5 * (low + high)
+        if epsilon_of(middle) > target:
+            low = middle
+        else:
+            high = middle
+    return high
