@@ -181,3 +181,15 @@ def test_missing_or_malformed_url_lists_are_one_line_errors(tmp_path):
         assert result.returncode == 2
         assert result.stderr.startswith("vip ingest: error: url list") and message in result.stderr
         assert result.stderr.count("\n") == 1 and result.stdout == ""
+
+
+@pytest.mark.slow
+def test_bench_ingest_reports_both_rates_from_one_run():
+    result = subprocess.run(
+        VIP + ["bench", "ingest", "--json", "--num-images", "60", "--samples-per-shard", "30", "--eval-images", "5"],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+    )
+    assert result.returncode == 0, result.stderr
+    figures = json.loads(result.stdout)
+    assert figures["img2dataset_images_per_s"] > 0 and figures["stage_images_per_s"] > 0
+    assert figures["overhead"] == pytest.approx(figures["img2dataset_images_per_s"] / figures["stage_images_per_s"] - 1, abs=1e-3)
