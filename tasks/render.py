@@ -18,6 +18,8 @@ import shutil
 import tarfile
 import time
 from collections import Counter
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -203,9 +205,19 @@ def _render_shards(job: RenderJob, pool: ProgramPool, pending: list[int], worker
             _close_worker()
         return
     context = multiprocessing.get_context("spawn")
-    with context.Pool(min(workers, len(pending)), initializer=_init_worker, initargs=(job,)) as processes:
-        for shard, count in processes.imap_unordered(_render_shard_in_worker, pending):
-            _log_shard(shard, count)
+    with ProcessPoolExecutor(
+        min(workers, len(pending)), mp_context=context, initializer=_init_worker, initargs=(job,)
+    ) as processes:
+        futures = {processes.submit(_render_shard_in_worker, shard): shard for shard in pending}
+        try:
+            for future in as_completed(futures):
+                _log_shard(*future.result())
+        except BrokenProcessPool:  # a worker died (a driver crash): the complete shards stay, a rerun resumes
+            unfinished = sorted(shard for future, shard in futures.items() if not future.done() or future.exception())
+            raise RuntimeError(
+                f"a render worker died; shards {unfinished[:5]}{'...' if len(unfinished) > 5 else ''} are not "
+                "complete: run again to resume"
+            ) from None
 
 
 def _log_shard(shard: int, count: int) -> None:

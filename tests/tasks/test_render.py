@@ -11,10 +11,12 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 from PIL import Image
 
@@ -105,6 +107,35 @@ def test_a_killed_render_resumes_without_redoing_or_duplicating(rendered, tmp_pa
     keys = [record["key"] for record in _manifest(output)]
     assert len(keys) == len(set(keys)) == 24
     assert not list(output.glob(".tmp-*")) and not list(output.glob("*.partial"))
+
+
+def test_a_worker_that_dies_is_reported_and_a_rerun_completes(tmp_path, monkeypatch):
+    monkeypatch.setenv("MESA_SHADER_CACHE_DISABLE", "true")  # spawned workers compile slowly: killed mid-run
+    output, errors = tmp_path / "crashed", []
+
+    def render() -> None:
+        try:
+            run_render(_config(num_images=16, workers=2, samples_per_shard=4, images_per_program=1), output)
+        except RuntimeError as error:
+            errors.append(str(error))
+
+    thread = threading.Thread(target=render)
+    thread.start()
+    deadline, workers = time.monotonic() + 60, []
+    while len(workers) < 2 and time.monotonic() < deadline:
+        workers = [child for child in psutil.Process().children() if "spawn_main" in " ".join(child.cmdline())]
+        time.sleep(0.05)
+    while not list(output.glob("shard-*.tar")) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    workers[0].kill()
+    thread.join(timeout=120)
+    assert errors and "a render worker died" in errors[0] and "run again to resume" in errors[0]
+
+    monkeypatch.delenv("MESA_SHADER_CACHE_DISABLE")
+    result = run_render(_config(num_images=16, workers=1, samples_per_shard=4, images_per_program=1), output)
+    assert result["images"] == 16 and result["resumed_shards"] >= 1 and result["rendered_shards"] >= 1
+    keys = [record["key"] for record in _manifest(output)]
+    assert len(keys) == len(set(keys)) == 16
 
 
 def test_other_settings_in_the_same_folder_are_refused(rendered):
