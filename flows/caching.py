@@ -7,8 +7,8 @@ a folder: shards, ``checkpoint.pt``, the class folders of an ImageFolder). Runni
 same config and unchanged inputs finds every finished stage in Prefect's result store and skips it; a
 changed slice or a rewritten input runs the stage again.
 
-The output folder of a stage is named after the same slice (``web-1a2b3c4d``), so a run with other
-settings never writes into the folder of a finished one.
+The output folder of a stage is named after the same slice (``ingest-1a2b3c4d``, with the url list's
+path for ingestion), so a run with other settings never writes into the folder of a finished one.
 """
 
 from __future__ import annotations
@@ -45,14 +45,14 @@ def config_slice(config: VipConfig, stage: str) -> dict[str, Any]:
     return {path: _dump(_field(config, path), path) for path in CONFIG_SLICES[stage]}
 
 
-def slice_digest(config: VipConfig, stage: str, length: int = 8) -> str:
-    """A short hash of the stage's config slice: the suffix of its output folder."""
-    return digest(config_slice(config, stage))[:length]
+def slice_digest(config: VipConfig, stage: str, inputs: tuple[str, ...] = (), length: int = 8) -> str:
+    """A short hash of the stage's config slice and its input paths: the suffix of its output folder."""
+    return digest([config_slice(config, stage), [str(Path(path).resolve()) for path in inputs if path]])[:length]
 
 
-def stage_folder(workdir: str | Path, stage: str, config: VipConfig) -> str:
-    """``workdir/<stage>-<digest>``: where a stage writes for this config."""
-    return str(Path(workdir) / f"{stage}-{slice_digest(config, stage)}")
+def stage_folder(workdir: str | Path, stage: str, config: VipConfig, inputs: tuple[str, ...] = ()) -> str:
+    """``workdir/<stage>-<digest>``: where a stage writes for this config and these input paths."""
+    return str(Path(workdir) / f"{stage}-{slice_digest(config, stage, inputs)}")
 
 
 def fingerprint(path: str | Path | None) -> Any:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from flows.caching import stage_folder
 from flows.pipeline import EVAL_THREADS, default_workdir, evaluate_encoders
 from flows.stages import flow_tracking
 from tasks import results, tracking
@@ -19,7 +18,7 @@ def evaluate_flow(config: VipConfig = tiny(), checkpoint: str = "", eval_data: s
 
     Args:
         config: ``config.model`` and ``config.evaluation`` drive the jobs.
-        checkpoint: a pre-training checkpoint (file or folder); empty: the private stage's under ``workdir``.
+        checkpoint: a pre-training checkpoint (file or folder), as the private pre-training writes it.
         eval_data: a folder with ``classification/`` (ImageFolder), ``coco/`` and ``ade20k/``.
         workdir: empty: ``$VIP_HOME/runs/<config.name>``.
 
@@ -28,7 +27,6 @@ def evaluate_flow(config: VipConfig = tiny(), checkpoint: str = "", eval_data: s
     """
     configure_environment()
     workdir = workdir or default_workdir(config)
-    checkpoint = checkpoint or stage_folder(workdir, "pretrain-dp", config)
     with flow_tracking("vip-evaluate", config) as parent:
         evaluations = evaluate_encoders(config, checkpoint, eval_data, workdir, parent)
         tracking.log_metrics(parent, results.evaluation_metrics(evaluations))

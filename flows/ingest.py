@@ -23,7 +23,7 @@ def ingest_flow(config: VipConfig = tiny(), url_list: str = "", eval_images: str
         workdir: empty: ``$VIP_HOME/runs/<config.name>``; the shards go to ``<workdir>/ingest-<digest>``.
     """
     configure_environment()
-    output = stage_folder(workdir or default_workdir(config), "ingest", config)
+    output = stage_folder(workdir or default_workdir(config), "ingest", config, inputs=(url_list, eval_images))
     with flow_tracking("vip-ingest", config) as parent:
         result = run_fresh_if_missing(ingest, output)(config, url_list, output, eval_images or None, parent)
         tracking.log_result(parent, "ingest", result)

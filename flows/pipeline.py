@@ -37,6 +37,16 @@ def default_workdir(config: VipConfig) -> str:
     return str(state_paths()["runs"] / config.name)
 
 
+def stage_folders(config: VipConfig, workdir: str, url_list: str, eval_data: str) -> dict[str, str]:
+    """Where each pre-evaluation stage writes, named after its config slice and its inputs' paths."""
+    folders = {"ingest": stage_folder(workdir, "ingest", config, inputs=(url_list, eval_data)),
+               "render": stage_folder(workdir, "render", config)}
+    folders["pretrain-syn"] = stage_folder(workdir, "pretrain-syn", config, inputs=(folders["render"],))
+    folders["pretrain-dp"] = stage_folder(
+        workdir, "pretrain-dp", config, inputs=(folders["ingest"], folders["pretrain-syn"]))
+    return folders
+
+
 @flow(name=FLOW_NAME, task_runner=ThreadPoolTaskRunner(max_workers=EVAL_THREADS), log_prints=True)
 def vip_pipeline(config: VipConfig = tiny(), url_list: str = "", eval_data: str = "", workdir: str = "") -> dict:
     """The whole ViP pipeline on one config.
@@ -50,8 +60,7 @@ def vip_pipeline(config: VipConfig = tiny(), url_list: str = "", eval_data: str 
     """
     configure_environment()
     workdir = workdir or default_workdir(config)
-    folders = {stage: stage_folder(workdir, stage, config)
-               for stage in ("ingest", "render", "pretrain-syn", "pretrain-dp")}
+    folders = stage_folders(config, workdir, url_list, eval_data)
     with flow_tracking(FLOW_NAME, config) as parent:
         web = run_fresh_if_missing(ingest, folders["ingest"]).submit(
             config, url_list, folders["ingest"], eval_data, parent)
@@ -83,7 +92,8 @@ def evaluate_encoders(config: VipConfig, checkpoint: str, eval_data: str, workdi
     """
     jobs = [(task, encoder, ckpt) for task in config.evaluation.tasks
             for encoder, ckpt in (("vip", checkpoint), ("random-init", None))]
-    outputs = [str(Path(stage_folder(workdir, "evaluate", config)) / f"{task}-{encoder}") for task, encoder, _ in jobs]
+    folder = Path(stage_folder(workdir, "evaluate", config, inputs=(checkpoint, eval_data)))
+    outputs = [str(folder / f"{task}-{encoder}") for task, encoder, _ in jobs]
     futures = evaluate.map(
         unmapped(config),
         [task for task, _, _ in jobs],

@@ -25,8 +25,8 @@ def pretrain_syn_flow(config: VipConfig = tiny(), data: str = "", workdir: str =
     """
     configure_environment()
     workdir = workdir or default_workdir(config)
-    output = stage_folder(workdir, "pretrain-syn", config)
     data = data or stage_folder(workdir, "render", config)
+    output = stage_folder(workdir, "pretrain-syn", config, inputs=(data,))
     with flow_tracking("vip-pretrain-syn", config) as parent:
         result = run_fresh_if_missing(pretrain, output)(config, "synthetic", data, output, None, parent)
         tracking.log_result(parent, "pretrain-syn", result)
@@ -39,16 +39,16 @@ def pretrain_dp_flow(config: VipConfig = tiny(), data: str = "", init_checkpoint
 
     Args:
         config: ``config.model``, ``config.private`` and ``config.privacy`` drive this stage.
-        data: the web shards; empty: the ingest stage's folder under ``workdir``.
-        init_checkpoint: where to start; empty: the synthetic stage's checkpoint under ``workdir`` if there
-            is one, else a random initialisation.
+        data: the web shards (the ingest stage's output folder).
+        init_checkpoint: where to start; empty: the synthetic stage's checkpoint under ``workdir`` (from
+            the render stage's images) if there is one, else a random initialisation.
         workdir: empty: ``$VIP_HOME/runs/<config.name>``; the checkpoint goes to ``<workdir>/pretrain-dp-<digest>``.
     """
     configure_environment()
     workdir = workdir or default_workdir(config)
-    output = stage_folder(workdir, "pretrain-dp", config)
-    data = data or stage_folder(workdir, "ingest", config)
-    init_checkpoint = init_checkpoint or _existing(stage_folder(workdir, "pretrain-syn", config))
+    synthetic = stage_folder(workdir, "pretrain-syn", config, inputs=(stage_folder(workdir, "render", config),))
+    init_checkpoint = init_checkpoint or _existing(synthetic)
+    output = stage_folder(workdir, "pretrain-dp", config, inputs=(data, init_checkpoint))
     with flow_tracking("vip-pretrain-dp", config) as parent:
         result = run_fresh_if_missing(pretrain, output)(config, "private", data, output, init_checkpoint, parent)
         tracking.log_result(parent, "pretrain-dp", result)

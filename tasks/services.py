@@ -28,7 +28,7 @@ from vip_core.env import configure_environment, state_paths
 HOST = "127.0.0.1"
 PREFECT_PORT = 4200
 MLFLOW_PORT = 5000
-START_TIMEOUT_S = 120.0
+START_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True)

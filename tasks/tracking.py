@@ -36,6 +36,8 @@ FLOW_RUN_TAG = "prefect.flow_run_id"
 PARENT_TAG = "mlflow.parentRunId"
 STAGE_TAG = "vip.stage"
 PARAMS_PER_BATCH = 100
+# The UI shows a model-training experiment (runs, metric charts) rather than a GenAI one (traces).
+EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}
 DEFAULT_UI_URL = "http://127.0.0.1:5000"
 LOCAL_SCHEMES = ("sqlite", "file", "postgresql", "mysql", "mssql")
 
@@ -59,7 +61,7 @@ def experiment_id(name: str = EXPERIMENT) -> str:
     if _tracking_scheme() in LOCAL_SCHEMES:
         location = state_paths()["mlflow_artifacts"].as_uri()
     try:
-        return mlflow_client.create_experiment(name, artifact_location=location)
+        return mlflow_client.create_experiment(name, artifact_location=location, tags=EXPERIMENT_TAGS)
     except MlflowException:
         # Another process created it in between.
         return mlflow_client.get_experiment_by_name(name).experiment_id
@@ -233,10 +235,11 @@ def ui_base_url() -> str:
     return uri.rstrip("/") if uri.startswith(("http://", "https://")) else DEFAULT_UI_URL
 
 
-def run_ui_url(run_id: str, base_url: str | None = None) -> str:
-    """The run's page in the MLflow UI."""
+def run_ui_url(run_id: str, base_url: str | None = None, tab: str = "") -> str:
+    """The run's page in the MLflow UI, in its model-training view; ``tab="model-metrics"``: the charts."""
     info = client().get_run(run_id).info
-    return f"{base_url or ui_base_url()}/#/experiments/{info.experiment_id}/runs/{run_id}"
+    path = f"/#/experiments/{info.experiment_id}/runs/{run_id}" + (f"/{tab}" if tab else "")
+    return f"{base_url or ui_base_url()}{path}?workflowType=machine_learning"
 
 
 def child_runs(parent_run_id: str) -> list:

@@ -1,0 +1,73 @@
+"""Stage cache keys and output folders: same config and inputs, same key; a relevant change, a new one."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+from flows.caching import fingerprint, stage_cache_key, stage_folder
+from vip_core.config import tiny, with_overrides
+
+CONTEXT = SimpleNamespace()
+
+
+def _render_key(config, output="/runs/render"):
+    return stage_cache_key("render")(CONTEXT, {"config": config, "output": output, "parent_run_id": "a"})
+
+
+def test_render_key_ignores_the_mlflow_parent_and_fields_outside_its_slice():
+    config = tiny()
+    same = _render_key(config)
+    assert same == stage_cache_key("render")(CONTEXT, {"config": config, "output": "/runs/render", "parent_run_id": "b"})
+    assert same == _render_key(with_overrides(config, {"private.steps": 99, "evaluation.linprobe_epochs": 1}))
+
+
+def test_render_key_changes_with_its_slice_and_its_output():
+    config = tiny()
+    assert _render_key(config) != _render_key(with_overrides(config, {"data.render.num_images": 128}))
+    assert _render_key(config) != _render_key(config, output="/elsewhere")
+
+
+def test_private_pretraining_key_follows_privacy_but_the_synthetic_one_does_not():
+    key = stage_cache_key(lambda parameters: {"synthetic": "pretrain-syn", "private": "pretrain-dp"}[parameters["stage"]])
+    config, stricter = tiny(), with_overrides(tiny(), {"privacy.target_epsilon": 2.0})
+
+    def both(cfg, stage):
+        return key(CONTEXT, {"config": cfg, "stage": stage, "data": None, "output": "/o", "init_checkpoint": None})
+
+    assert both(config, "private") != both(stricter, "private")
+    assert both(config, "synthetic") == both(stricter, "synthetic")
+
+
+def test_evaluation_key_does_not_depend_on_the_list_of_other_tasks():
+    key = stage_cache_key("evaluate")
+    fewer = with_overrides(tiny(), {"evaluation.tasks": ["linprobe"]})
+    parameters = {"task": "linprobe", "checkpoint": None, "data": None, "output": "/o"}
+    assert key(CONTEXT, {"config": tiny(), **parameters}) == key(CONTEXT, {"config": fewer, **parameters})
+
+
+def test_a_rewritten_input_file_changes_the_key(tmp_path):
+    checkpoint = tmp_path / "checkpoint.pt"
+    checkpoint.write_bytes(b"weights one")
+    key = stage_cache_key("evaluate")
+    parameters = {"config": tiny(), "task": "linprobe", "checkpoint": str(tmp_path), "data": None, "output": "/o"}
+    before = key(CONTEXT, parameters)
+    assert key(CONTEXT, parameters) == before
+    checkpoint.write_bytes(b"weights two, retrained")
+    os.utime(checkpoint, ns=(1, 1))
+    assert key(CONTEXT, parameters) != before
+
+
+def test_fingerprint_of_a_missing_path_says_so(tmp_path):
+    assert fingerprint(tmp_path / "nothing")[1] == "missing"
+    assert fingerprint(None) is None
+
+
+def test_output_folders_are_named_after_the_slice_and_the_inputs(tmp_path):
+    config = tiny()
+    render = stage_folder(tmp_path, "render", config)
+    assert render.startswith(str(tmp_path / "render-"))
+    assert render == stage_folder(tmp_path, "render", with_overrides(config, {"private.steps": 3}))
+    assert render != stage_folder(tmp_path, "render", with_overrides(config, {"data.render.seed": 1}))
+    assert stage_folder(tmp_path, "ingest", config, inputs=("a.parquet",)) != stage_folder(
+        tmp_path, "ingest", config, inputs=("b.parquet",))
