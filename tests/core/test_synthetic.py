@@ -153,6 +153,14 @@ def test_program_draws_use_the_whole_pool_before_repeating():
     assert [plan.program_index(s, 0) for s in range(100)] != [other_seed.program_index(s, 0) for s in range(100)]
 
 
+def test_a_flat_colour_is_near_constant_and_a_gradient_is_not():
+    flat = np.zeros((16, 16, 3), dtype=np.uint8) + np.array([242, 4, 42], dtype=np.uint8)  # far-apart channels
+    assert is_near_constant(flat)
+    gradient = flat.copy()
+    gradient[..., 1] = np.arange(16, dtype=np.uint8)[None, :] * 4
+    assert not is_near_constant(gradient)
+
+
 def test_convex_mixup():
     rng = np.random.default_rng(0)
     weights = mixup_weights(rng, 6)

@@ -4,8 +4,8 @@
 Shaders21k code set, whose codes are not available offline). A program is either a 2-D composition
 (domain transforms such as symmetries, tilings and domain warps, then one to three layers of fields such
 as fBm noise, ridged noise, Voronoi cells, Julia and Mandelbrot sets, Kaleidoscopic orbit traps, 2-D
-signed distances, Truchet tiles and sine interference, each coloured by a cosine palette, HSV ramp or
-two-colour ramp and blended) or a ray-marched scene of signed-distance primitives combined with smooth
+signed distances, Truchet tiles, hexagonal tilings, metaballs, grids, roses and sine interference, each
+coloured by a cosine palette, HSV ramp or two-colour ramp and blended) or a ray-marched scene of signed-distance primitives combined with smooth
 unions, subtractions, repetitions and twists, lit and coloured by a palette over a 2-D background.
 Every number is drawn from the seed, so each seed gives its own source; ``random.Random`` keeps
 the sources identical across machines and Python versions.
@@ -138,6 +138,17 @@ float kali(vec2 p, vec2 c, int iterations) {
         trap = min(trap, abs(length(p) - 0.5));
     }
     return exp(-4.0 * trap);
+}
+vec4 hexTile(vec2 p) {
+    const vec2 s = vec2(1.0, 1.7320508);
+    vec4 centers = floor(vec4(p, p - vec2(0.5, 1.0)) / s.xyxy) + 0.5;
+    vec4 offsets = vec4(p - centers.xy * s, p - (centers.zw + 0.5) * s);
+    return dot(offsets.xy, offsets.xy) < dot(offsets.zw, offsets.zw)
+        ? vec4(offsets.xy, centers.xy) : vec4(offsets.zw, centers.zw + 0.5);
+}
+float hexRadius(vec2 p) {
+    p = abs(p);
+    return max(dot(p, vec2(0.5, 0.8660254)), p.x);
 }
 float sdBox2(vec2 p, vec2 b) {
     vec2 q = abs(p) - b;
@@ -380,6 +391,36 @@ def _field_plasma(b: _Builder, q: str) -> str:
     )
 
 
+def _field_hexagons(b: _Builder, q: str) -> str:
+    h = b.name("hex")
+    b.emit(f"vec4 {h} = hexTile({q} * {_f(b.u(2.0, 7.0))});")
+    edge = f"smoothstep({_f(b.u(0.3, 0.48))}, 0.5, hexRadius({h}.xy))"
+    return f"mix({edge}, hash21({h}.zw * 2.0 + 0.5), {_f(b.u(0.0, 0.8))})"
+
+
+def _field_metaballs(b: _Builder, q: str) -> str:
+    m = b.name("meta")
+    b.emit(f"float {m} = 0.0;")
+    for _ in range(b.i(3, 7)):
+        center = (
+            f"vec2({_f(b.u(0.2, 0.9))} * sin({b.time(1.5)} + {_f(b.u(0, 6.283))}), "
+            f"{_f(b.u(0.2, 0.9))} * cos({b.time(1.5)} + {_f(b.u(0, 6.283))}))"
+        )
+        b.emit(f"{m} += {_f(b.u(0.01, 0.06))} / max(dot({q} - {center}, {q} - {center}), 1e-4);")
+    return f"smoothstep({_f(b.u(0.4, 0.9))}, {_f(b.u(1.0, 1.6))}, {m})"
+
+
+def _field_grid(b: _Builder, q: str) -> str:
+    g = b.name("grid")
+    b.emit(f"vec2 {g} = abs(fract({q} * {_f(b.u(2.0, 8.0))}) - 0.5);")
+    return f"smoothstep({_f(b.u(0.02, 0.15))}, 0.0, min({g}.x, {g}.y))"
+
+
+def _field_rose(b: _Builder, q: str) -> str:
+    radius = f"(0.5 + {_f(b.u(0.1, 0.4))} * cos({b.i(2, 9)}.0 * atan({q}.y, {q}.x) + {b.time(2.0)}))"
+    return f"smoothstep({_f(b.u(0.05, 0.3))}, 0.0, abs(length({q}) - {radius}))"
+
+
 FIELDS: dict[str, Callable[[_Builder, str], str]] = {
     "fbm": _field_fbm,
     "ridged": _field_ridged,
@@ -395,6 +436,10 @@ FIELDS: dict[str, Callable[[_Builder, str], str]] = {
     "shapes": _field_shapes,
     "truchet": _field_truchet,
     "plasma": _field_plasma,
+    "hexagons": _field_hexagons,
+    "metaballs": _field_metaballs,
+    "grid": _field_grid,
+    "rose": _field_rose,
 }
 
 

@@ -27,8 +27,8 @@ FRAME_RATE = 60.0
 # Shadertoy's iDate is (year, month from 0, day, seconds of the day): fixed here, plus iTime, so that an
 # image depends only on its program and time.
 DATE = (2024.0, 5.0, 15.0, 43_200.0)
-# An image whose pixel values spread less than this (standard deviation over all pixels and channels, in
-# 0-255 units) is near-constant: it teaches nothing and is skipped.
+# An image whose pixel values spread less than this in every channel (standard deviation over the pixels,
+# in 0-255 units) is near-constant: it teaches nothing and is skipped.
 MIN_PIXEL_STD = 4.0
 
 
@@ -188,5 +188,7 @@ def _set_uniforms(program: Any, size: int, time: float) -> None:
 
 
 def is_near_constant(image: np.ndarray, min_std: float = MIN_PIXEL_STD) -> bool:
-    """Whether ``image`` ([H, W, 3] uint8) is near-constant: pixel standard deviation below ``min_std``."""
-    return float(image.std()) < min_std
+    """Whether ``image`` ([H, W, 3] uint8) is near-constant: in every channel, the standard deviation over
+    the pixels is below ``min_std``."""
+    per_channel = image.reshape(-1, image.shape[-1]).std(axis=0)  # [3]
+    return float(per_channel.max()) < min_std
