@@ -75,6 +75,13 @@ class RenderPlan:
     pool_size: int
     mixup: int = 0
 
+    def __post_init__(self) -> None:
+        if self.seed < 0:
+            raise ValueError(f"render seed must be >= 0, got {self.seed}")
+        for name in ("num_images", "images_per_program", "pool_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
     def slot(self, index: int) -> int:
         return index // self.images_per_program
 

@@ -30,6 +30,9 @@ DATE = (2024.0, 5.0, 15.0, 43_200.0)
 # An image whose pixel values spread less than this in every channel (standard deviation over the pixels,
 # in 0-255 units) is near-constant: it teaches nothing and is skipped.
 MIN_PIXEL_STD = 4.0
+# OpenGL renderer names of CPU drivers: a device with another name is a GPU.
+SOFTWARE_RENDERERS = ("llvmpipe", "softpipe", "swrast")
+MAX_EGL_DEVICES = 16
 
 
 class GLContextError(RuntimeError):
@@ -51,10 +54,6 @@ class CompiledProgram:
         with self.program.ctx:
             self.vertex_array.release()
             self.program.release()
-
-
-SOFTWARE_RENDERERS = ("llvmpipe", "softpipe", "swrast")
-MAX_EGL_DEVICES = 16
 
 
 def create_context(device_index: int | None = None) -> Any:
