@@ -199,8 +199,8 @@ def _render_shards(job: RenderJob, pool: ProgramPool, pending: list[int], worker
     if workers == 1 or len(pending) == 1:
         _init_worker(job, pool)
         try:
-            for shard in pending:
-                _log_shard(shard, render_shard(job, _WORKER["cache"], _WORKER["pool"], shard))
+            for done, shard in enumerate(pending, start=1):
+                _log_shard(shard, render_shard(job, _WORKER["cache"], _WORKER["pool"], shard), done, len(pending))
         finally:
             _close_worker()
         return
@@ -210,8 +210,8 @@ def _render_shards(job: RenderJob, pool: ProgramPool, pending: list[int], worker
     ) as processes:
         futures = {processes.submit(_render_shard_in_worker, shard): shard for shard in pending}
         try:
-            for future in as_completed(futures):
-                _log_shard(*future.result())
+            for done, future in enumerate(as_completed(futures), start=1):
+                _log_shard(*future.result(), done, len(pending))
         except BrokenProcessPool:  # a worker died (a driver crash): the complete shards stay, a rerun resumes
             unfinished = sorted(shard for future, shard in futures.items() if not future.done() or future.exception())
             raise RuntimeError(
@@ -220,8 +220,8 @@ def _render_shards(job: RenderJob, pool: ProgramPool, pending: list[int], worker
             ) from None
 
 
-def _log_shard(shard: int, count: int) -> None:
-    logger.info("render: shard %06d complete, %d images", shard, count)
+def _log_shard(shard: int, count: int, done: int, total: int) -> None:
+    logger.info("render: shard %06d complete, %d images (%d of %d shards)", shard, count, done, total)
 
 
 def render_shard(job: RenderJob, cache: ProgramCache, pool: ProgramPool, shard: int) -> int:

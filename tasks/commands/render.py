@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 from typing import Any
 
 # Command-line flag -> field of config.data.render; a flag left out keeps the preset's value.
@@ -54,6 +55,7 @@ def handle_render(args: argparse.Namespace) -> int:
     from tasks.cli import print_json
     from tasks.render import run_render, write_contact_sheet
 
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")  # progress on stderr
     result = run_render(render_config(args), args.out, shaders=args.shaders)
     if args.contact_sheet:
         result.update(write_contact_sheet(args.out, args.contact_sheet))
