@@ -19,6 +19,7 @@ shard, each atomically. Cleaning is in shard order, so duplicates resolve the sa
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -162,6 +163,7 @@ def run_ingest(
     _claim_output(layout, _fingerprint(settings, urls, eval_hashes))
     shard_count = math.ceil(len(urls) / settings.samples_per_shard)
     cleaner = ShardCleaner(layout, urls, settings, sample_filter, contamination)
+    write_img2dataset_input(layout.url_input, urls.urls())
     downloader = None if _all_downloaded(layout, shard_count) else start_img2dataset(
         img2dataset_arguments(settings, layout.url_input, layout.raw, reencode=False), layout.log
     )
@@ -194,7 +196,9 @@ def _fingerprint(settings: IngestConfig, urls: UrlList, eval_hashes: dict[str, i
     return {
         "url_list_sha256": file_digest(urls.path),
         "settings": settings.model_dump(mode="json", exclude=_SPEED_SETTINGS),
-        "eval_image_hashes": sorted(f"{value:016x}" for value in eval_hashes.values()),
+        "eval_image_hashes_sha256": hashlib.sha256(
+            "".join(sorted(f"{value:016x}" for value in eval_hashes.values())).encode()
+        ).hexdigest(),
     }
 
 
@@ -288,7 +292,6 @@ class ShardCleaner:
         self.sample_filter = sample_filter
         self.contamination = contamination
         self.dedup = Deduplicator(settings.phash_max_distance)
-        write_img2dataset_input(layout.url_input, self.urls)
 
     def remember(self, records: list[dict[str, Any]]) -> None:
         """Adds the kept samples of a shard cleaned earlier to the duplicate index."""
