@@ -24,6 +24,8 @@ from tasks.cli import main
 from tasks.render import run_render, write_contact_sheet
 from vip_core.config import get_preset, with_overrides
 from vip_core.data.shards import count_samples, iter_samples, list_shards, sample_image
+from vip_core.synthetic.programs import generate_program
+from vip_core.synthetic.renderer import ShaderRenderer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -164,13 +166,29 @@ def test_program_folder_skips_what_cannot_render_and_counts_why(tmp_path):
     assert {record["program"] for record in _manifest(tmp_path / "out")} == {"good.frag", "one-pass.fragment"}
 
 
-def test_mixup_records_convex_components(tmp_path):
+def _rerender(renderer: ShaderRenderer, program_id: str, time_s: float) -> np.ndarray:
+    return renderer.render_source(generate_program(int(program_id.removeprefix("gen-"))).source, time_s).astype(float)
+
+
+def test_the_manifest_says_how_each_image_was_made(rendered):
+    output, _ = rendered
+    samples = list(iter_samples(list_shards(output, "shard")))[:3]
+    with ShaderRenderer(32) as renderer:
+        for sample in samples:
+            again = _rerender(renderer, sample["json"]["program"], sample["json"]["time"])
+            assert np.abs(np.asarray(sample_image(sample), dtype=float) - again).mean() < 4.0  # JPEG q95 4:4:4
+
+
+def test_mixup_images_are_the_recorded_convex_mix(tmp_path):
     result = run_render(_config(num_images=8, mixup=3, samples_per_shard=8), tmp_path / "mixed")
     assert result["images"] == 8
     for record in _manifest(tmp_path / "mixed"):
         weights = [component["weight"] for component in record["components"]]
         assert len(weights) == 3 and min(weights) >= 0 and sum(weights) == pytest.approx(1.0)
-        assert all(component["program"].startswith("gen-") for component in record["components"])
+    sample = next(iter_samples(list_shards(tmp_path / "mixed", "shard")))
+    with ShaderRenderer(32) as renderer:
+        mixed = sum(c["weight"] * _rerender(renderer, c["program"], c["time"]) for c in sample["json"]["components"])
+    assert np.abs(np.asarray(sample_image(sample), dtype=float) - mixed).mean() < 4.0
 
 
 def test_vip_render_command_and_contact_sheet(tmp_path, capsys):
