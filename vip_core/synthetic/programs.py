@@ -201,19 +201,24 @@ class _Builder:
         self._names = 0
 
     def name(self, stem: str) -> str:
+        """A GLSL variable name not used before in this body."""
         self._names += 1
         return f"{stem}{self._names}"
 
     def emit(self, line: str) -> None:
+        """Appends one statement."""
         self.lines.append(f"    {line}")
 
     def u(self, low: float, high: float) -> float:
+        """A uniform number in [low, high]."""
         return self.rng.uniform(low, high)
 
     def signed(self, low: float, high: float) -> float:
+        """A number whose magnitude is uniform in [low, high] and whose sign is random."""
         return self.rng.choice((-1.0, 1.0)) * self.rng.uniform(low, high)
 
     def i(self, low: int, high: int) -> int:
+        """A uniform integer in [low, high]."""
         return self.rng.randint(low, high)
 
     def time(self, scale: float = 1.0) -> str:
