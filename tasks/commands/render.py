@@ -29,7 +29,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--preset", default="tiny", help="configuration preset (default: tiny)")
     parser.add_argument("--num-images", type=int, help="number of images")
     parser.add_argument("--size", type=int, help="image side in pixels")
-    parser.add_argument("--shaders", help="folder of .frag/.glsl Shadertoy programs (default: built-in generator)")
+    parser.add_argument("--shaders", help="folder of Shadertoy programs: .frag/.glsl GLSL or .json/.fragment (Shaders21k) JSON "
+                        "(default: the built-in generator)")
     parser.add_argument("--seed", type=int, help="seed of the program and time draws")
     parser.add_argument("--mixup", type=int, help="K > 1: each image is a convex mix of K images")
     parser.add_argument("--workers", type=int, help="worker processes, one GL context each")
