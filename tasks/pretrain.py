@@ -60,6 +60,8 @@ log = logging.getLogger(__name__)
 
 STAGES = {"synthetic": "pretrain-syn", "private": "pretrain-dp"}
 RESULT_FILE = "result.json"
+PLAN_FILE = "plan.json"
+RESUME_INVARIANTS = ("private", "dataset_size", "sample_rate", "noise_multiplier", "max_grad_norm", "delta", "accountant")
 FAULT_ENV = "VIP_INJECT_WORKER_KILL"
 MAX_FAILURES = 3
 CHECKPOINTS_KEPT = 2
@@ -95,16 +97,17 @@ def run_pretrain(
     """
     training = stage_training(config, stage)
     output = Path(output)
-    finished = finished_result(output, config, stage)
+    finished = finished_result(output, config, stage, resume)
     if finished is not None:
         return finished
-    ray_dir = output / "ray" / STAGES[stage]
-    if ray_dir.exists() and not resume:
+    continuing = (output / "ray" / STAGES[stage]).exists()
+    if continuing and not resume:
         raise ValueError(f"{output} holds a {stage} run in progress: pass --resume to continue it or choose a new output")
     shards, counts = shard_counts(data)
     plan = _privacy_plan(config, stage, sum(counts))
     if init_checkpoint is not None:
         _check_init_checkpoint(init_checkpoint, config)
+    _keep_plan(output, plan, continuing)
     run_id, own_run = _stage_run(mlflow_run_id, config, stage, plan)
     loop_config = {
         "config": config.model_dump(mode="json"),
@@ -132,17 +135,41 @@ def is_private(config: VipConfig, stage: str) -> bool:
     return stage == "private" and config.privacy.enabled
 
 
-def finished_result(output: Path, config: VipConfig, stage: str) -> dict[str, Any] | None:
-    """The summary of a finished run of the same config and stage in ``output``, if there is one."""
+def finished_result(output: Path, config: VipConfig, stage: str, resume: bool) -> dict[str, Any] | None:
+    """The summary of a finished run of the same config and stage in ``output``, if there is one.
+
+    A finished run of another configuration is refused unless ``resume`` (continuing it, e.g. for more
+    steps of the synthetic stage); a run of another stage is always refused.
+    """
     result_file = output / RESULT_FILE
     if not result_file.is_file():
         return None
     result = json.loads(result_file.read_text())
-    if result.get("stage") != stage or result.get("config") != config.model_dump(mode="json"):
-        raise ValueError(f"{output} holds a finished run of another configuration or stage: choose a new output")
-    if not Path(result["checkpoint"]).is_dir():
-        return None
-    return {**result, "skipped": True}
+    if result.get("stage") != stage:
+        raise ValueError(f"{output} holds a finished {result.get('stage')} run: choose another output")
+    if result.get("config") == config.model_dump(mode="json") and Path(result["checkpoint"]).is_dir():
+        return {key: value for key, value in result.items() if key != "config"} | {"skipped": True}
+    if not resume:
+        raise ValueError(f"{output} holds a finished run of another configuration: pass --resume to continue it")
+    return None
+
+
+def _keep_plan(output: Path, plan: dict[str, Any], continuing: bool) -> None:
+    """Records the plan of a new run; a continued run must have the same sampling and privacy settings,
+    or its ledger (σ, q, δ) would not describe the steps taken."""
+    plan_file = output / PLAN_FILE
+    if not continuing or not plan_file.is_file():
+        output.mkdir(parents=True, exist_ok=True)
+        _write_json_atomically(plan_file, plan)
+        return
+    saved = json.loads(plan_file.read_text())
+    changed = [key for key in RESUME_INVARIANTS if saved.get(key) != plan.get(key)]
+    if changed:
+        key = changed[0]
+        raise ValueError(
+            f"{output}: the run was planned with {key}={saved.get(key)}, the configuration now gives "
+            f"{plan.get(key)}; resume with the same data and privacy settings or choose a new output"
+        )
 
 
 def _privacy_plan(config: VipConfig, stage: str, dataset_size: int) -> dict[str, Any]:
@@ -250,6 +277,7 @@ def _summarise(result: Any, loop_config: dict, output: Path, stage: str, run_id:
         "images_per_s": metrics["images_per_s"],
         "peak_rss_mb": metrics["peak_rss_mb"],
         "workers": int(metrics["world_size"]),
+        "nodes": int(metrics["nodes"]),
         "resumes": int(metrics["resumes"]),
         "stopped_by_budget": bool(metrics["stopped_by_budget"]),
         "mlflow_run_id": run_id,
@@ -486,17 +514,21 @@ def step_metrics(state: WorkerState, images_per_s: float) -> dict[str, float]:
 def report_checkpoint(state: WorkerState, rank: int, world: int) -> None:
     """Reports a checkpoint to Ray Train: rank 0 writes it with every rank's streams, after checking that
     every rank holds the same parameters."""
+    import ray
     import ray.train
 
     check_parameters_equal(state.model)
-    streams = gather_objects(
-        {"sampler": state.sampler.state_dict(), "rng": {"masking": state.masking.get_state(), "noise": state.noise.get_state()}}
-    )
+    streams = gather_objects({
+        "sampler": state.sampler.state_dict(),
+        "rng": {"masking": state.masking.get_state(), "noise": state.noise.get_state()},
+        "node": ray.get_runtime_context().get_node_id(),
+    })
     peak_rss_mb = all_reduce_max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     average_images_per_s = state.images / state.seconds if state.seconds else 0.0
     summary = {
         **step_metrics(state, average_images_per_s),
-        "peak_rss_mb": peak_rss_mb, "world_size": world, "resumes": state.resumes,
+        "peak_rss_mb": peak_rss_mb, "world_size": world, "nodes": len({s["node"] for s in streams}),
+        "resumes": state.resumes,
         "stopped_by_budget": state.stopped_by_budget,
     }
     if rank != 0:
