@@ -26,13 +26,13 @@ VIP = [sys.executable, "-m", "tasks.cli"]
 
 @pytest.fixture
 def web(tmp_path):
-    server = SampleWeb(tmp_path / "web", slow_s=8.0)
+    server = SampleWeb(tmp_path / "web", slow_s=12.0)
     yield server
     server.stop()
 
 
 def _config(**ingest):
-    settings = {"image_size": 32, "min_side": 32, "threads": 8, "timeout_s": 3.0, "samples_per_shard": 16, **ingest}
+    settings = {"image_size": 32, "min_side": 32, "threads": 8, "timeout_s": 5.0, "samples_per_shard": 16, **ingest}
     return with_overrides(get_preset("tiny"), {f"data.ingest.{key}": value for key, value in settings.items()})
 
 
@@ -126,6 +126,8 @@ def test_ingest_keeps_good_photographs_and_counts_every_bad_case(tmp_path, web):
     again = run_ingest(config, url_list, tmp_path / "out", eval_images=tmp_path / "eval")
     assert again == stats
     assert sum(web.requests.values()) == requests_before, "a finished ingestion fetched again"
+    with pytest.raises(ValueError, match="choose a new --output"):
+        run_ingest(_config(conditions=("similarity >= 0.3",)), url_list, tmp_path / "out", eval_images=tmp_path / "eval")
 
 
 def test_ingest_killed_mid_run_resumes_without_fetching_finished_shards(tmp_path, web):
@@ -181,6 +183,21 @@ def test_missing_or_malformed_url_lists_are_one_line_errors(tmp_path):
         assert result.returncode == 2
         assert result.stderr.startswith("vip ingest: error: url list") and message in result.stderr
         assert result.stderr.count("\n") == 1 and result.stdout == ""
+
+
+def test_bad_conditions_and_evaluation_folders_are_one_line_errors(tmp_path):
+    url_list = write_url_list(tmp_path / "laion.csv", [laion_row("http://127.0.0.1:9/a.jpg", "a")])
+    base = VIP + ["ingest", "--url-list", str(url_list), "--output", str(tmp_path / "out")]
+    for extra, message in [
+        (["--condition", "aesthetic > 5"], "names column 'aesthetic'"),
+        (["--condition", "similarity is high"], "is not of the form"),
+        (["--eval-images", str(tmp_path / "nowhere")], "evaluation image folder"),
+    ]:
+        result = subprocess.run(base + extra, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2
+        assert result.stderr.startswith("vip ingest: error: ") and message in result.stderr
+        assert result.stderr.count("\n") == 1
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.slow
