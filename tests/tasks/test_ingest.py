@@ -210,3 +210,18 @@ def test_bench_ingest_reports_both_rates_from_one_run():
     figures = json.loads(result.stdout)
     assert figures["img2dataset_images_per_s"] > 0 and figures["stage_images_per_s"] > 0
     assert figures["overhead"] == pytest.approx(figures["stage_seconds"] / figures["img2dataset_seconds"] - 1, abs=0.01)
+
+
+@pytest.mark.slow
+def test_two_download_processes_on_a_larger_list_keep_every_distinct_photograph(tmp_path, web):
+    good = distinct_photo_indices(150)
+    rows = [laion_row(web.url + photo_path(i), f"photograph {i}") for i in good]
+    rows += [laion_row(web.url + photo_path(i), "exact duplicate") for i in good[::10]]
+    url_list = write_url_list(tmp_path / "laion.parquet", rows)
+
+    stats = run_ingest(_config(processes=2, samples_per_shard=20), url_list, tmp_path / "out")
+
+    assert (stats["input"], stats["kept"], stats["duplicates"], stats["shards"]) == (165, 150, 15, 8)
+    _check_counts_add_up(stats)
+    samples = _read_shards(tmp_path / "out")
+    assert sorted(sample["json"]["url"] for sample in samples) == sorted(row["URL"] for row in rows[:150])
