@@ -20,6 +20,7 @@ shard, each atomically. Cleaning is in shard order, so duplicates resolve the sa
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import math
@@ -407,22 +408,8 @@ def _write_shard_atomically(path: Path, samples: list[tuple[str, dict[str, Any]]
                 info = tarfile.TarInfo(f"{key}.{extension}")
                 info.size = len(payload)
                 info.mode = 0o644
-                archive.addfile(info, _BytesReader(payload))
+                archive.addfile(info, io.BytesIO(payload))
     partial.replace(path)
-
-
-class _BytesReader:
-    """A minimal file object over bytes for tarfile.addfile."""
-
-    def __init__(self, payload: bytes) -> None:
-        self._payload = memoryview(payload)
-        self._offset = 0
-
-    def read(self, size: int = -1) -> bytes:
-        end = len(self._payload) if size < 0 else self._offset + size
-        chunk = self._payload[self._offset : end]
-        self._offset += len(chunk)
-        return chunk.tobytes()
 
 
 def _write_parquet_atomically(table: pa.Table, path: Path) -> None:
