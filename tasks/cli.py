@@ -23,6 +23,7 @@ COMMAND_MODULES = (
     "tasks.commands.evaluate",
     "tasks.commands.bench",
     "tasks.commands.pretrain",
+    "tasks.commands.audit",
 )
 
 
