@@ -79,3 +79,14 @@ ingest: setup
 	    $(if $(EVAL_IMAGES),--eval-images $(EVAL_IMAGES)),$(PY) -m tasks.demo_web --preset $(PRESET) --output $(INGEST_OUT))
 
 .PHONY: ingest
+
+# `make pretrain-syn`, then `make pretrain-dp`: MAE pre-training on Ray Train (a local Ray, or the cluster in
+# RAY_ADDRESS): on the synthetic shards without privacy, then with DP on the web shards, warm-started from the
+# synthetic checkpoint. Re-running continues an interrupted run (ledger included) and skips a finished one.
+pretrain-syn: setup
+	$(VIP) pretrain --stage synthetic --preset $(PRESET) --resume
+
+pretrain-dp: setup
+	$(VIP) pretrain --stage private --preset $(PRESET) --resume
+
+.PHONY: pretrain-syn pretrain-dp
