@@ -115,7 +115,9 @@ class ClippedGradientSum:
         self.model = model
         self.max_grad_norm = max_grad_norm
         self.plan = plan_model(model)
-        self.sums: Sums = {p: torch.zeros_like(p) for p in self.plan.params}
+        for param in self.plan.params:
+            param.grad = None  # the previous step's gradients are dead weight from here on
+        self.sums: Sums = {}
         self.totals = _Totals()
 
     def add(self, loss_fn: LossFn, inputs: Inputs, *, physical_batch_size: int | None = None) -> None:
@@ -133,7 +135,9 @@ class ClippedGradientSum:
         """
         _check_arguments(self.max_grad_norm, noise_multiplier, expected_batch_size, None)
         for param in self.plan.params:
-            noisy = self.sums[param] + _gaussian(param, noise_multiplier * self.max_grad_norm, generator)
+            noisy = _gaussian(param, noise_multiplier * self.max_grad_norm, generator)
+            if param in self.sums:
+                noisy.add_(self.sums.pop(param))
             param.grad = noisy.div_(expected_batch_size)
         t = self.totals
         return StepStats(t.examples, t.loss_sum, t.clipped, t.non_finite)

@@ -39,10 +39,19 @@ def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def add_to_sum(sums: Sums, param: nn.Parameter, value: torch.Tensor) -> None:
+    """``sums[param] += value`` (shaped like ``param``), creating the entry on first use."""
+    value = value.reshape(param.shape).to(param.dtype)
+    if param in sums:
+        sums[param].add_(value)
+    else:
+        sums[param] = value
+
+
 def _add_weighted(sums: Sums, param: nn.Parameter, factors: torch.Tensor, per_sample: torch.Tensor) -> None:
     """``sums[param] += Σᵢ factorsᵢ · per_sampleᵢ``; per_sample: [B, *param.shape]."""
     weighted = torch.mv(per_sample.reshape(per_sample.shape[0], -1).t(), factors.to(per_sample.dtype))  # [numel]
-    sums[param].add_(weighted.view_as(param).to(sums[param].dtype))
+    add_to_sum(sums, param, weighted)
 
 
 class Rule:
@@ -69,7 +78,7 @@ class Rule:
         """``[B]`` squared per-sample gradient norms over this rule's parameters (0 for an unused layer)."""
         total = torch.zeros(batch_size, device=device, dtype=torch.float32)
         for grads in self.per_sample.values():
-            total += grads.reshape(batch_size, -1).float().square().sum(1)
+            total += torch.linalg.vector_norm(grads.reshape(batch_size, -1), dim=1).float().square()
         return total
 
     def add_clipped_sum(self, factors: torch.Tensor, sums: Sums) -> None:
@@ -91,8 +100,8 @@ def _zero_rows(tensor: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
 class MatmulRule(Rule):
     """Linear and Conv2d: output = Σ over tokens of ``W · a_t`` (+ bias), in ``groups`` independent groups.
 
-    ``record`` receives the layer input and output gradient already laid out as ``A: [B, g, T, d_in]`` and
-    ``G: [B, g, T, d_out]`` by the subclass.
+    ``record_tokens`` receives the layer input and output gradient laid out as ``A: [B, g, T, d_in]`` and
+    ``G: [B, g, T, d_out]`` by the subclass; they are kept as ``[B·g, T, d]`` (one matrix per sample and group).
     """
 
     def __init__(self, name: str, module: nn.Module) -> None:
@@ -100,6 +109,7 @@ class MatmulRule(Rule):
         bias = module.bias if module.bias is not None and module.bias.requires_grad else None
         super().__init__(name, [p for p in (weight, bias) if p is not None])
         self.weight, self.bias = weight, bias
+        self.groups = getattr(module, "groups", 1)
         self.ghost_inputs: list[torch.Tensor] = []
         self.ghost_grads: list[torch.Tensor] = []
         self.materialise: bool | None = None
@@ -107,52 +117,62 @@ class MatmulRule(Rule):
     def record_tokens(self, acts: torch.Tensor, grads: torch.Tensor) -> None:
         """acts: [B, g, T, d_in]; grads: [B, g, T, d_out]."""
         dtype = _compute_dtype(acts, grads)
-        acts, grads = acts.to(dtype), grads.to(dtype)
-        batch = acts.shape[0]
+        batch, groups, tokens = acts.shape[:3]
+        acts = acts.to(dtype).reshape(batch * groups, tokens, acts.shape[3])  # acts: [B*g, T, d_in]
+        grads = grads.to(dtype).reshape(batch * groups, tokens, grads.shape[3])  # grads: [B*g, T, d_out]
         if self.bias is not None:
-            self.accumulate(self.bias, grads.sum(2).reshape(batch, *self.bias.shape))  # [B, g*d_out]
+            self.accumulate(self.bias, grads.sum(1).reshape(batch, *self.bias.shape))  # [B, g*d_out]
         if self.weight is None:
             return
         if self.materialise is None:
-            self.materialise = materialise_is_cheaper(acts.shape[2], acts.shape[3], grads.shape[3])
+            self.materialise = materialise_is_cheaper(tokens, acts.shape[2], grads.shape[2])
         if self.materialise:
-            per_sample = torch.matmul(grads.transpose(2, 3), acts)  # per_sample: [B, g, d_out, d_in]
+            per_sample = torch.bmm(grads.transpose(1, 2), acts)  # per_sample: [B*g, d_out, d_in]
             self.accumulate(self.weight, per_sample.reshape(batch, *self.weight.shape))
         else:
             self.ghost_inputs.append(acts)
             self.ghost_grads.append(grads)
 
     def _ghost_pair(self) -> tuple[torch.Tensor, torch.Tensor]:
-        acts = torch.cat(self.ghost_inputs, dim=2) if len(self.ghost_inputs) > 1 else self.ghost_inputs[0]
-        grads = torch.cat(self.ghost_grads, dim=2) if len(self.ghost_grads) > 1 else self.ghost_grads[0]
-        return acts, grads  # acts: [B, g, T, d_in], grads: [B, g, T, d_out]
+        acts = torch.cat(self.ghost_inputs, dim=1) if len(self.ghost_inputs) > 1 else self.ghost_inputs[0]
+        grads = torch.cat(self.ghost_grads, dim=1) if len(self.ghost_grads) > 1 else self.ghost_grads[0]
+        return acts, grads  # acts: [B*g, T, d_in], grads: [B*g, T, d_out]
 
     def squared_norms(self, batch_size: int, device: torch.device) -> torch.Tensor:
         total = super().squared_norms(batch_size, device)
         if self.ghost_inputs:
             acts, grads = self._ghost_pair()
-            if acts.shape[2] == 1:
-                ghost = acts.square().sum((2, 3)) * grads.square().sum((2, 3))  # ghost: [B, g]
+            if acts.shape[1] == 1:
+                ghost = acts.square().sum((1, 2)) * grads.square().sum((1, 2))  # ghost: [B*g]
             else:
-                act_gram = torch.matmul(acts, acts.transpose(2, 3))  # act_gram: [B, g, T, T]
-                grad_gram = torch.matmul(grads, grads.transpose(2, 3))  # grad_gram: [B, g, T, T]
-                ghost = (act_gram * grad_gram).sum((2, 3))  # ghost: [B, g]
-            total += ghost.sum(1).float()
+                act_gram = torch.bmm(acts, acts.transpose(1, 2))  # act_gram: [B*g, T, T]
+                grad_gram = torch.bmm(grads, grads.transpose(1, 2))  # grad_gram: [B*g, T, T]
+                ghost = (act_gram * grad_gram).sum((1, 2))  # ghost: [B*g]
+            total += ghost.view(batch_size, -1).sum(1).float()
         return total
 
     def add_clipped_sum(self, factors: torch.Tensor, sums: Sums) -> None:
         super().add_clipped_sum(factors, sums)
-        if self.ghost_inputs:
-            acts, grads = self._ghost_pair()
-            groups, d_in, d_out = acts.shape[1], acts.shape[3], grads.shape[3]
-            scaled = grads * factors.to(grads.dtype).view(-1, 1, 1, 1)  # scaled: [B, g, T, d_out]
-            scaled = scaled.transpose(0, 1).reshape(groups, -1, d_out)  # scaled: [g, B*T, d_out]
-            acts = acts.transpose(0, 1).reshape(groups, -1, d_in)  # acts: [g, B*T, d_in]
-            weight_sum = torch.bmm(scaled.transpose(1, 2), acts)  # weight_sum: [g, d_out, d_in]
-            sums[self.weight].add_(weight_sum.reshape(self.weight.shape).to(sums[self.weight].dtype))
+        if not self.ghost_inputs:
+            return
+        acts, grads = self._ghost_pair()
+        groups, d_in, d_out = self.groups, acts.shape[2], grads.shape[2]
+        factors = factors.to(grads.dtype).repeat_interleave(groups).view(-1, 1, 1)  # [B*g, 1, 1]
+        if d_in <= d_out:  # scale the smaller operand
+            acts = acts * factors
+        else:
+            grads = grads * factors
+        if groups == 1:
+            weight_sum = torch.mm(grads.reshape(-1, d_out).t(), acts.reshape(-1, d_in))  # [d_out, d_in]
+        else:
+            grads = grads.view(-1, groups, grads.shape[1], d_out).transpose(0, 1).reshape(groups, -1, d_out)
+            acts = acts.view(-1, groups, acts.shape[1], d_in).transpose(0, 1).reshape(groups, -1, d_in)
+            weight_sum = torch.bmm(grads.transpose(1, 2), acts)  # weight_sum: [g, d_out, d_in]
+        add_to_sum(sums, self.weight, weight_sum)
 
     def zero_samples(self, keep: torch.Tensor) -> None:
         super().zero_samples(keep)
+        keep = keep.repeat_interleave(self.groups)
         self.ghost_inputs = [_zero_rows(a, keep) for a in self.ghost_inputs]
         self.ghost_grads = [_zero_rows(g, keep) for g in self.ghost_grads]
 
@@ -240,7 +260,9 @@ class EmbeddingRule(Rule):
     def add_clipped_sum(self, factors: torch.Tensor, sums: Sums) -> None:
         for indices, grads in zip(self.indices, self.grads):
             scaled = grads * factors.view(-1, 1, 1)  # scaled: [B, T, D]
-            sums[self.weight].index_add_(0, indices.reshape(-1), scaled.reshape(-1, grads.shape[-1]).to(sums[self.weight].dtype))
+            rows = torch.zeros(self.weight.shape, dtype=grads.dtype, device=grads.device)
+            rows.index_add_(0, indices.reshape(-1), scaled.reshape(-1, grads.shape[-1]))
+            add_to_sum(sums, self.weight, rows)
 
     def zero_samples(self, keep: torch.Tensor) -> None:
         self.grads = [_zero_rows(g, keep) for g in self.grads]
