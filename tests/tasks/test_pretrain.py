@@ -162,3 +162,22 @@ def test_bad_input_is_one_line_and_exit_code_2(shards, tmp_path, capsys):
     (tmp_path / "busy" / "ray" / "pretrain-syn").mkdir(parents=True)
     code, _ = _vip("pretrain", "--stage", "synthetic", "--data", str(shards), "--output", str(tmp_path / "busy"))
     assert code == 2 and "pass --resume" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_logical_batch_of_4096_runs_in_microbatches_in_bounded_memory(local_ray, tmp_path_factory):
+    """The tiny preset's DP step at B = 4,096 (microbatches of 32) needs about the memory of B = 256:
+    per-sample work is bounded by the microbatch. Prints both peaks."""
+    data = tmp_path_factory.mktemp("big")
+    _write_shards(data, 8192)
+    peaks = {}
+    for batch in (256, 4096):
+        code, result = _vip(
+            "pretrain", "--stage", "private", "--data", str(data), "--output", str(data.parent / f"b{batch}"),
+            "--workers", "2", "--cpus-per-worker", "0.5", "--steps", "1", "--batch-size", str(batch),
+            "--physical-batch-size", "32",
+        )
+        assert code == 0 and result["steps"] == 1
+        peaks[batch] = result["peak_rss_mb"]
+    print(f"peak_rss_mb: B=256 {peaks[256]:.0f}, B=4096 {peaks[4096]:.0f}")
+    assert peaks[4096] < peaks[256] + 256
