@@ -84,7 +84,7 @@ def run_pretrain(
     Args:
         config: the run's configuration; ``config.synthetic`` or ``config.private`` drives the stage.
         stage: ``"synthetic"`` (DP off) or ``"private"`` (DP-AdamW, Poisson sampling, accountant).
-        data: folder of webdataset shards.
+        data: folder of shards: webdataset tars, or parquet files with an image column.
         output: the stage's folder: Ray Train's checkpoints, the final ``checkpoint/``, ``result.json``.
         init_checkpoint: a checkpoint to start the weights from (the private stage's warm start).
         resume: continue the run left in ``output`` (its last checkpoint); without it a run in progress

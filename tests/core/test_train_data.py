@@ -118,3 +118,31 @@ def test_unknown_stream_purpose_is_refused():
 def test_microbatches_split_a_logical_batch_in_order():
     chunks = list(microbatches(torch.arange(10), 4))
     assert [c.tolist() for c in chunks] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+
+
+def test_parquet_shards_are_read_like_tars_and_null_images_skipped(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    payloads = [encode_image(_image(i), "png") for i in range(7)]
+    payloads[2] = None  # a failed download, as img2dataset leaves it
+    table = pa.table({"key": [f"{i:05d}" for i in range(7)], "jpg": pa.array(payloads, type=pa.binary())})
+    pq.write_table(table, tmp_path / "part-00000.parquet", row_group_size=3)
+    pq.write_table(table.slice(0, 2), tmp_path / "part-00001.parquet")
+    shards, counts = shard_counts(tmp_path)
+    assert counts == [6, 2]
+    expected = [p for p in payloads if p is not None] + payloads[:2]
+    for rank in range(2):
+        part = ShardPartition(shards, counts, rank, 2, IMG)
+        local = torch.arange(len(part))
+        for row, global_index in zip(part.images(local), part.global_indices(local).tolist()):
+            assert torch.equal(row, decode_image(expected[global_index], IMG))
+
+
+def test_parquet_without_an_image_column_is_a_clear_error(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"url": ["http://127.0.0.1/a.jpg"]}), tmp_path / "urls.parquet")
+    with pytest.raises(ValueError, match="has no image column"):
+        shard_counts(tmp_path)

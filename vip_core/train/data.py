@@ -1,5 +1,9 @@
-"""Training data from webdataset tar shards: an index of where each image is, per-worker partitions,
-per-worker random streams, and decoding to ``[3, H, W]`` tensors at the model's image size.
+"""Training data from shards: an index of where each image is, per-worker partitions, per-worker random
+streams, and decoding to ``[3, H, W]`` tensors at the model's image size.
+
+Shards are webdataset tars (``*.tar``, as ``ShardWriter`` and img2dataset write them) or, in a folder
+without tars, parquet files (``*.parquet``, img2dataset's parquet output) with an image column (``jpg``,
+``png``, ``webp`` or ``image``, bytes); rows whose image is null are skipped.
 
 Partition. The samples of all shards, in shard order, get global indices ``0 .. N-1``; worker ``r`` of
 ``W`` owns the contiguous block ``[r*N//W, (r+1)*N//W)``, so it reads only the shards that block touches
@@ -84,21 +88,41 @@ def shards_for_range(counts: Sequence[int], start: int, stop: int) -> list[tuple
 # ------------------------------------------------------------------------------------------------ the index
 
 
+PARQUET_IMAGE_COLUMNS = ("jpg", "png", "webp", "image")
+
+
 @dataclass(frozen=True)
-class ImageLocation:
-    """Where one image's bytes are: a shard file, a byte offset and a length."""
+class TarLocation:
+    """Where one image's bytes are in a tar shard: the file, a byte offset and a length."""
 
     shard: Path
     offset: int
     size: int
 
 
-def image_locations(shard: str | Path) -> list[ImageLocation]:
-    """The image members of one shard, one per sample (the first image of each key), in tar order.
+@dataclass(frozen=True)
+class ParquetLocation:
+    """Where one image is in a parquet shard: the file, a row group, a row in it and the image column."""
+
+    shard: Path
+    row_group: int
+    row: int
+    column: str
+
+
+def image_locations(shard: str | Path) -> list[TarLocation] | list[ParquetLocation]:
+    """The images of one shard, in order: a tar's or a parquet file's."""
+    shard = Path(shard)
+    if shard.suffix == ".parquet":
+        return parquet_locations(shard)
+    return tar_locations(shard)
+
+
+def tar_locations(shard: Path) -> list[TarLocation]:
+    """The image members of a tar shard, one per sample (the first image of each key), in tar order.
 
     Reads only the tar headers.
     """
-    shard = Path(shard)
     locations = []
     seen_keys: set[str] = set()
     with tarfile.open(shard, "r") as archive:
@@ -106,15 +130,39 @@ def image_locations(shard: str | Path) -> list[ImageLocation]:
             key, _, extension = member.name.rpartition("/")[2].partition(".")
             if member.isfile() and extension in IMAGE_EXTENSIONS and key not in seen_keys:
                 seen_keys.add(key)
-                locations.append(ImageLocation(shard, member.offset_data, member.size))
+                locations.append(TarLocation(shard, member.offset_data, member.size))
+    return locations
+
+
+def parquet_locations(shard: Path) -> list[ParquetLocation]:
+    """The non-null images of a parquet shard, reading the image column only for row groups with nulls."""
+    import pyarrow.parquet as pq
+
+    parquet = pq.ParquetFile(shard)
+    names = parquet.schema_arrow.names
+    column = next((name for name in PARQUET_IMAGE_COLUMNS if name in names), None)
+    if column is None:
+        raise ValueError(f"{shard} has no image column (one of {', '.join(PARQUET_IMAGE_COLUMNS)}; found {names})")
+    column_index = names.index(column)
+    locations = []
+    for group in range(parquet.num_row_groups):
+        metadata = parquet.metadata.row_group(group)
+        statistics = metadata.column(column_index).statistics
+        if statistics is not None and statistics.has_null_count and statistics.null_count == 0:
+            rows = range(metadata.num_rows)
+        else:
+            valid = parquet.read_row_group(group, columns=[column]).column(0).is_valid().to_pylist()
+            rows = [row for row, ok in enumerate(valid) if ok]
+        locations.extend(ParquetLocation(shard, group, row, column) for row in rows)
     return locations
 
 
 def shard_counts(folder: str | Path) -> tuple[list[Path], list[int]]:
-    """The complete shards of ``folder`` and the number of images in each (the measured N is the sum)."""
-    shards = list_shards(folder)
+    """The shards of ``folder`` (complete tars, else parquet files) and the number of images in each
+    (the measured N is the sum)."""
+    shards = list_shards(folder) or sorted(Path(folder).glob("*.parquet"))
     if not shards:
-        raise FileNotFoundError(f"no shards (*.tar) in {folder}")
+        raise FileNotFoundError(f"no shards (*.tar or *.parquet) in {folder}")
     return shards, [len(image_locations(shard)) for shard in shards]
 
 
@@ -148,7 +196,7 @@ class ShardPartition:
         self.dataset_size = int(sum(counts))
         self.start, self.stop = partition_range(self.dataset_size, rank, world_size)
         self.img_size = img_size
-        self.locations: list[ImageLocation] = []
+        self.locations: list[TarLocation | ParquetLocation] = []
         for shard, first, stop in shards_for_range(counts, self.start, self.stop):
             found = image_locations(shards[shard])
             if len(found) != counts[shard]:
@@ -174,18 +222,35 @@ class ShardPartition:
         payloads = self._read([self.locations[i] for i in local.tolist()])
         return torch.stack([decode_image(payload, self.img_size) for payload in payloads])  # [B, 3, H, W]
 
-    def _read(self, wanted: list[ImageLocation]) -> list[bytes]:
-        """The bytes of ``wanted``, opening each shard once."""
+    def _read(self, wanted: list[TarLocation | ParquetLocation]) -> list[bytes]:
+        """The bytes of ``wanted``, opening each shard (each parquet row group) once."""
         payloads: list[bytes | None] = [None] * len(wanted)
-        by_shard: dict[Path, list[int]] = {}
+        by_source: dict[tuple[Path, int], list[int]] = {}
         for position, location in enumerate(wanted):
-            by_shard.setdefault(location.shard, []).append(position)
-        for shard, positions in by_shard.items():
-            with open(shard, "rb") as handle:
-                for position in positions:
-                    handle.seek(wanted[position].offset)
-                    payloads[position] = handle.read(wanted[position].size)
+            group = location.row_group if isinstance(location, ParquetLocation) else -1
+            by_source.setdefault((location.shard, group), []).append(position)
+        for (shard, group), positions in by_source.items():
+            if group < 0:
+                _read_tar(shard, wanted, positions, payloads)
+            else:
+                _read_parquet(shard, group, wanted, positions, payloads)
         return payloads  # type: ignore[return-value]
+
+
+def _read_tar(shard: Path, wanted: list, positions: list[int], payloads: list) -> None:
+    with open(shard, "rb") as handle:
+        for position in positions:
+            handle.seek(wanted[position].offset)
+            payloads[position] = handle.read(wanted[position].size)
+
+
+def _read_parquet(shard: Path, group: int, wanted: list, positions: list[int], payloads: list) -> None:
+    import pyarrow.parquet as pq
+
+    column = wanted[positions[0]].column
+    images = pq.ParquetFile(shard).read_row_group(group, columns=[column]).column(0)
+    for position in positions:
+        payloads[position] = images[wanted[position].row].as_py()
 
 
 def microbatches(local: torch.Tensor, size: int) -> Iterator[torch.Tensor]:
