@@ -32,7 +32,9 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--stage", required=True, choices=sorted(STAGE_DATA), help="synthetic (no DP) or private (DP)")
     parser.add_argument("--preset", default="tiny", help="configuration preset (default: tiny)")
-    parser.add_argument("--data", help="folder of webdataset tar or parquet shards (default: $VIP_HOME/data/synthetic or /web)")
+    parser.add_argument(
+        "--data", help="folder of webdataset tar or parquet shards (default: $VIP_HOME/data/synthetic or /web)"
+    )
     parser.add_argument("--output", help="the stage's folder (default: $VIP_HOME/runs/PRESET/pretrain-syn or -dp)")
     parser.add_argument(
         "--init-checkpoint",
