@@ -1,11 +1,11 @@
-"""The evaluation jobs alone: every task on an encoder and on a random-init baseline, in parallel."""
+"""The evaluation jobs alone: every task on an encoder, each beside a random-init baseline, in parallel."""
 
 from __future__ import annotations
 
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from flows.pipeline import EVAL_THREADS, default_workdir, evaluate_encoders
+from flows.pipeline import EVAL_THREADS, default_workdir, evaluate_all
 from flows.stages import flow_tracking
 from tasks import results, tracking
 from vip_core.config import VipConfig, tiny
@@ -23,11 +23,11 @@ def evaluate_flow(config: VipConfig = tiny(), checkpoint: str = "", eval_data: s
         workdir: empty: ``$VIP_HOME/runs/<config.name>``.
 
     Returns:
-        ``{task: {"vip": metrics, "random-init": metrics}}``.
+        ``{task: metrics}`` with ``metrics["result"]`` and ``metrics["baseline"]``.
     """
     configure_environment()
     workdir = workdir or default_workdir(config)
     with flow_tracking("vip-evaluate", config) as parent:
-        evaluations = evaluate_encoders(config, checkpoint, eval_data, workdir, parent)
+        evaluations = evaluate_all(config, checkpoint, eval_data, workdir, parent)
         tracking.log_metrics(parent, results.evaluation_metrics(evaluations))
     return evaluations

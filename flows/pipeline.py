@@ -2,12 +2,13 @@
 
 ```
 url list ──► ingest ─────────────────────────────────┐
-render ──► pretrain-syn (MAE, no DP) ──► checkpoint ──► pretrain-dp (DP-AdamW) ──► evaluate.map(tasks × {ViP, random init})
-                                                                             └─► register the encoder
+render ──► pretrain-syn (MAE, no DP) ──► checkpoint ──► pretrain-dp (DP-AdamW) ──► evaluate.map(tasks)
+                                                                    audit (canaries) ┘ └─► register the encoder
 ```
 Ingest and render run side by side; the evaluation jobs run in parallel, each beside the same job on a
-randomly initialised encoder (its baseline). Every stage writes to ``<workdir>/<stage>-<config digest>``
-and is cached: running the flow again with the same config skips the finished stages.
+randomly initialised encoder (its baseline), and so does the privacy audit of the private recipe. Every
+stage writes to ``<workdir>/<stage>-<config digest>`` and is cached: running the flow again with the same
+config skips the finished stages.
 """
 
 from __future__ import annotations
@@ -20,13 +21,16 @@ from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.caching import stage_folder
-from flows.stages import evaluate, flow_tracking, ingest, pretrain, register_encoder, render, run_fresh_if_missing
+from flows.stages import (
+    audit, evaluate, flow_tracking, ingest, local_ray, pretrain, register_encoder, render, run_fresh_if_missing,
+)
 from tasks import results, tracking
 from vip_core.config import VipConfig, tiny
 from vip_core.env import configure_environment, state_paths
 
 FLOW_NAME = "vip-pipeline"
 EVAL_THREADS = 4
+AUDIT_CANARIES = 1000
 # Where each evaluation task finds its data below the ``eval_data`` folder.
 EVAL_DATA = {"linprobe": "classification", "finetune": "classification", "fewshot": "classification",
              "coco": "coco", "ade20k": "ade20k"}
@@ -48,7 +52,10 @@ def stage_folders(config: VipConfig, workdir: str, url_list: str, eval_data: str
 
 
 @flow(name=FLOW_NAME, task_runner=ThreadPoolTaskRunner(max_workers=EVAL_THREADS), log_prints=True)
-def vip_pipeline(config: VipConfig = tiny(), url_list: str = "", eval_data: str = "", workdir: str = "") -> dict:
+def vip_pipeline(
+    config: VipConfig = tiny(), url_list: str = "", eval_data: str = "", workdir: str = "",
+    audit_canaries: int = AUDIT_CANARIES,
+) -> dict:
     """The whole ViP pipeline on one config.
 
     Args:
@@ -57,11 +64,12 @@ def vip_pipeline(config: VipConfig = tiny(), url_list: str = "", eval_data: str 
         eval_data: a folder with ``classification/`` (ImageFolder), ``coco/`` and ``ade20k/``; public data,
             also used to decontaminate the web images.
         workdir: where the stages write; empty: ``$VIP_HOME/runs/<config.name>``.
+        audit_canaries: canaries of the privacy audit run beside the evaluations; 0: no audit.
     """
     configure_environment()
     workdir = workdir or default_workdir(config)
     folders = stage_folders(config, workdir, url_list, eval_data)
-    with flow_tracking(FLOW_NAME, config) as parent:
+    with flow_tracking(FLOW_NAME, config) as parent, local_ray(config):
         web = run_fresh_if_missing(ingest, folders["ingest"]).submit(
             config, url_list, folders["ingest"], eval_data, parent)
         synthetic = run_fresh_if_missing(render, folders["render"]).submit(config, folders["render"], parent)
@@ -71,12 +79,17 @@ def vip_pipeline(config: VipConfig = tiny(), url_list: str = "", eval_data: str 
             config, "private", folders["ingest"], folders["pretrain-dp"], warm.result()["checkpoint"], parent,
             wait_for=[web])
         checkpoint = private.result()["checkpoint"]
-        evaluations = evaluate_encoders(config, checkpoint, eval_data, workdir, parent)
+        audited = None
+        if audit_canaries:
+            audit_folder = f"{stage_folder(workdir, 'audit', config)}-m{audit_canaries}"
+            audited = run_fresh_if_missing(audit, audit_folder).submit(config, audit_canaries, audit_folder, parent)
+        evaluations = evaluate_all(config, checkpoint, eval_data, workdir, parent)
         registered = register_encoder(checkpoint, parent)
         summary = results.summarize(
             config=config, flow_run_id=str(flow_run.id), mlflow_run_id=parent, workdir=workdir,
             ingest=web.result(), render=synthetic.result(), pretrain_syn=warm.result(),
             pretrain_dp=private.result(), evaluations=evaluations, registered_model=registered,
+            audit=audited.result() if audited else None,
         )
         tracking.log_metrics(parent, results.summary_metrics(summary), step=summary["privacy"]["steps"])
         tracking.client().log_dict(parent, summary, "results.json")
@@ -84,25 +97,20 @@ def vip_pipeline(config: VipConfig = tiny(), url_list: str = "", eval_data: str 
     return summary
 
 
-def evaluate_encoders(config: VipConfig, checkpoint: str, eval_data: str, workdir: str, parent: str) -> dict:
-    """Every evaluation task on the ViP encoder and on a random-init one, in parallel.
+def evaluate_all(config: VipConfig, checkpoint: str, eval_data: str, workdir: str, parent: str) -> dict:
+    """Every evaluation task on the encoder of ``checkpoint`` (each beside its random-init baseline), in parallel.
 
     Returns:
-        ``{task: {"vip": metrics, "random-init": metrics}}``.
+        ``{task: metrics}`` with ``metrics["result"]`` and ``metrics["baseline"]``.
     """
-    jobs = [(task, encoder, ckpt) for task in config.evaluation.tasks
-            for encoder, ckpt in (("vip", checkpoint), ("random-init", None))]
+    tasks = list(config.evaluation.tasks)
     folder = Path(stage_folder(workdir, "evaluate", config, inputs=(checkpoint, eval_data)))
-    outputs = [str(folder / f"{task}-{encoder}") for task, encoder, _ in jobs]
     futures = evaluate.map(
         unmapped(config),
-        [task for task, _, _ in jobs],
-        [ckpt for _, _, ckpt in jobs],
-        [str(Path(eval_data) / EVAL_DATA[task]) for task, _, _ in jobs],
-        outputs,
+        tasks,
+        unmapped(checkpoint),
+        [str(Path(eval_data) / EVAL_DATA[task]) for task in tasks],
+        [str(folder / task) for task in tasks],
         unmapped(parent),
     )
-    by_task: dict[str, dict] = {}
-    for (task, encoder, _), future in zip(jobs, futures):
-        by_task.setdefault(task, {})[encoder] = future.result()
-    return by_task
+    return {task: future.result() for task, future in zip(tasks, futures)}

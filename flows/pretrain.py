@@ -8,7 +8,7 @@ from prefect import flow
 
 from flows.caching import stage_folder
 from flows.pipeline import default_workdir
-from flows.stages import flow_tracking, pretrain, run_fresh_if_missing
+from flows.stages import flow_tracking, local_ray, pretrain, run_fresh_if_missing
 from tasks import tracking
 from vip_core.config import VipConfig, tiny
 from vip_core.env import configure_environment
@@ -27,7 +27,7 @@ def pretrain_syn_flow(config: VipConfig = tiny(), data: str = "", workdir: str =
     workdir = workdir or default_workdir(config)
     data = data or stage_folder(workdir, "render", config)
     output = stage_folder(workdir, "pretrain-syn", config, inputs=(data,))
-    with flow_tracking("vip-pretrain-syn", config) as parent:
+    with flow_tracking("vip-pretrain-syn", config) as parent, local_ray(config):
         result = run_fresh_if_missing(pretrain, output)(config, "synthetic", data, output, None, parent)
         tracking.log_result(parent, "pretrain-syn", result)
     return result
@@ -49,7 +49,7 @@ def pretrain_dp_flow(config: VipConfig = tiny(), data: str = "", init_checkpoint
     synthetic = stage_folder(workdir, "pretrain-syn", config, inputs=(stage_folder(workdir, "render", config),))
     init_checkpoint = init_checkpoint or _existing(synthetic)
     output = stage_folder(workdir, "pretrain-dp", config, inputs=(data, init_checkpoint))
-    with flow_tracking("vip-pretrain-dp", config) as parent:
+    with flow_tracking("vip-pretrain-dp", config) as parent, local_ray(config):
         result = run_fresh_if_missing(pretrain, output)(config, "private", data, output, init_checkpoint, parent)
         tracking.log_result(parent, "pretrain-dp", result)
         tracking.log_metrics(parent, {"privacy/epsilon": result["epsilon"]}, step=result["steps"])

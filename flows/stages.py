@@ -79,18 +79,23 @@ def pretrain(
 
 
 @task(name="evaluate", task_run_name="eval-{task}", **_options("evaluate", retries=1, retry_delay_seconds=5))
-def evaluate(
-    config: VipConfig, task: str, checkpoint: str | None, data: str, output: str, parent_run_id: str | None
-) -> dict:
-    """One downstream job on the encoder of ``checkpoint``; None evaluates a randomly initialised one."""
+def evaluate(config: VipConfig, task: str, checkpoint: str, data: str, output: str, parent_run_id: str | None) -> dict:
+    """One downstream job on the encoder of ``checkpoint``, beside the same job on a random-init encoder.
+
+    The job logs its own child run (``eval-<task>``) under ``parent_run_id``.
+    """
     from tasks.evaluate import run_evaluation
 
-    encoder = "random-init" if checkpoint is None else "vip"
-    stage = f"eval/{task}/{encoder}"
-    with tracking.stage_run(parent_run_id, stage, config) as run_id:
-        metrics = run_evaluation(config, task, checkpoint, data, output, mlflow_run_id=run_id)
-        tracking.log_result(run_id, f"eval/{task}", metrics)
-    return metrics
+    return run_evaluation(config, task, checkpoint, data, output, mlflow_run_id=parent_run_id)
+
+
+@task(name="audit", **_options("audit", retries=1, retry_delay_seconds=5))
+def audit(config: VipConfig, canaries: int, output: str, parent_run_id: str | None) -> dict:
+    """The privacy audit of the private training recipe: an empirical lower bound on ε from canaries."""
+    from tasks.audit import run_audit
+
+    with tracking.stage_run(parent_run_id, "audit", config) as run_id:
+        return run_audit(config, canaries, output, mlflow_run_id=run_id)
 
 
 @task(
@@ -128,6 +133,20 @@ def flow_tracking(flow_name: str, config: VipConfig) -> Iterator[str]:
 def _checkpoint_file(checkpoint: str) -> str:
     path = Path(checkpoint)
     return str(path / "checkpoint.pt") if path.is_dir() else str(path)
+
+
+@contextlib.contextmanager
+def local_ray(config: VipConfig) -> Iterator[dict]:
+    """One Ray for all the flow's training stages, started from the flow's own thread.
+
+    Joins ``RAY_ADDRESS`` when set, else starts a local Ray sized for the larger stage. The stages find it
+    running and join it, rather than each starting and stopping its own from a task thread.
+    """
+    from tasks.ray_runtime import ray_session
+
+    stages = (config.synthetic, config.private)
+    with ray_session(max(s.num_workers for s in stages), max(s.cpus_per_worker for s in stages)) as ray_info:
+        yield ray_info
 
 
 def run_fresh_if_missing(stage_task: Any, output: str) -> Any:

@@ -95,6 +95,8 @@ def run_demo(config: VipConfig, *, web_port: int = WEB_PORT, images: int = WEB_I
     """Makes the inputs, serves the web sample, runs the pipeline flow; returns its summary."""
     home = configure_environment()
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", PROGRESS_LOGGERS)
+    # The temporary server creates its database on the first run: more than Prefect's 20 s on a busy machine.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "300")
     demo = home / "demo"
     _say(f"[demo] evaluation data (public, offline) in {demo / 'eval'}")
     eval_data = make_eval_data(demo / "eval", config.model.img_size)

@@ -11,7 +11,7 @@ from typing import Any, Mapping
 from tasks.tracking import numeric_leaves
 from vip_core.config import VipConfig
 
-ENCODERS = ("vip", "random-init")
+AUDIT_KEYS = ("epsilon_lower_bound", "epsilon_claimed", "canaries", "correct_guesses", "guesses")
 PRIVACY_KEYS = ("epsilon", "delta", "steps", "noise_multiplier", "sample_rate", "dataset_size")
 
 
@@ -25,8 +25,9 @@ def summarize(
     render: Mapping[str, Any],
     pretrain_syn: Mapping[str, Any],
     pretrain_dp: Mapping[str, Any],
-    evaluations: Mapping[str, Mapping[str, Mapping[str, Any]]],
+    evaluations: Mapping[str, Mapping[str, Any]],
     registered_model: str,
+    audit: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The JSON-able summary of one pipeline run, the flow's return value."""
     privacy = {key: pretrain_dp[key] for key in PRIVACY_KEYS if key in pretrain_dp}
@@ -43,8 +44,9 @@ def summarize(
         "privacy": privacy,
         "checkpoint": pretrain_dp["checkpoint"],
         "registered_model": registered_model,
-        "evaluations": {task: {encoder: dict(metrics) for encoder, metrics in by_encoder.items()}
-                        for task, by_encoder in evaluations.items()},
+        "evaluations": {task: {"result": dict(metrics["result"]), "baseline": dict(metrics.get("baseline") or {})}
+                        for task, metrics in evaluations.items()},
+        "audit": None if audit is None else {key: audit.get(key) for key in AUDIT_KEYS},
     }
 
 
@@ -55,25 +57,24 @@ def summary_metrics(summary: Mapping[str, Any]) -> dict[str, float]:
     return {**metrics, **evaluation_metrics(summary["evaluations"])}
 
 
-def evaluation_metrics(evaluations: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> dict[str, float]:
+def evaluation_metrics(evaluations: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
     """``eval/<task>/<metric>`` for the ViP encoder, ``eval/<task>/<metric>_random_init`` for its baseline."""
     metrics: dict[str, float] = {}
-    for task, by_encoder in evaluations.items():
-        for encoder, values in by_encoder.items():
-            suffix = "" if encoder == "vip" else "_" + encoder.replace("-", "_")
-            for name, value in numeric_leaves(values, f"eval/{task}").items():
-                metrics[name + suffix] = value
+    for task, values in evaluations.items():
+        metrics.update(numeric_leaves(values["result"], f"eval/{task}"))
+        baseline = numeric_leaves(values.get("baseline") or {}, f"eval/{task}")
+        metrics.update({f"{name}_random_init": value for name, value in baseline.items()})
     return metrics
 
 
 def rows(summary: Mapping[str, Any]) -> list[tuple[str, str, float | None, float | None]]:
     """``(task, metric, ViP, random init)`` for every numeric evaluation metric."""
     table = []
-    for task, by_encoder in summary["evaluations"].items():
-        per_encoder = {encoder: numeric_leaves(by_encoder.get(encoder, {}), "") for encoder in ENCODERS}
-        names = list(dict.fromkeys([*per_encoder["vip"], *per_encoder["random-init"]]))
-        for name in names:
-            table.append((task, name.lstrip("/"), per_encoder["vip"].get(name), per_encoder["random-init"].get(name)))
+    for task, values in summary["evaluations"].items():
+        vip = numeric_leaves(values["result"], "")
+        baseline = numeric_leaves(values.get("baseline") or {}, "")
+        for name in dict.fromkeys([*vip, *baseline]):
+            table.append((task, name.lstrip("/"), vip.get(name), baseline.get(name)))
     return table
 
 
@@ -90,9 +91,23 @@ def privacy_line(summary: Mapping[str, Any]) -> str:
     return f"ε = {spent} spent of target {privacy['target_epsilon']:g} ({', '.join(details)})"
 
 
+def audit_line(summary: Mapping[str, Any]) -> str | None:
+    """``empirical ε ≥ 0.42 from 1000 canaries (the accountant claims 8)``, or None without an audit."""
+    audit = summary.get("audit")
+    if not audit:
+        return None
+    claimed = audit.get("epsilon_claimed")
+    claim = "" if claimed is None else f" (the recipe's accountant claims {claimed:.3g})"
+    return (f"audit: empirical ε ≥ {audit['epsilon_lower_bound']:.3f} from {audit['canaries']} canaries, "
+            f"{audit['correct_guesses']}/{audit['guesses']} guesses right{claim}")
+
+
 def text_table(summary: Mapping[str, Any]) -> str:
     """The table printed at the end of ``make run``."""
-    lines = [f"ViP results, preset {summary['preset']}", f"  privacy: {privacy_line(summary)}", ""]
+    lines = [f"ViP results, preset {summary['preset']}", f"  privacy: {privacy_line(summary)}"]
+    if audit_line(summary):
+        lines.append(f"  {audit_line(summary)}")
+    lines.append("")
     header = ("task", "metric", "ViP", "random init", "difference")
     body = [(task, metric, _fmt(vip), _fmt(base), _fmt(None if vip is None or base is None else vip - base, True))
             for task, metric, vip, base in rows(summary)]
@@ -107,6 +122,7 @@ def text_table(summary: Mapping[str, Any]) -> str:
 def markdown_table(summary: Mapping[str, Any]) -> str:
     """The same table as Markdown, for the flow run's artifact in the Prefect UI."""
     lines = [f"# ViP results, preset {summary['preset']}", "", f"**Privacy:** {privacy_line(summary)}", "",
+             *([f"**Audit:** {audit_line(summary)}", ""] if audit_line(summary) else []),
              "| task | metric | ViP | random init |", "|---|---|---:|---:|"]
     lines += [f"| {task} | {metric} | {_fmt(vip)} | {_fmt(base)} |" for task, metric, vip, base in rows(summary)]
     lines += ["", f"Encoder `{summary['checkpoint']}`, registered as `{summary['registered_model']}`.",

@@ -1,8 +1,9 @@
 """The Prefect server and the MLflow server on 127.0.0.1: started for ``make ui`` and by the tests.
 
 Both keep their state in the default stores under ``$VIP_HOME`` (Prefect's sqlite in ``$PREFECT_HOME``,
-MLflow's sqlite and artifacts in ``$VIP_HOME/mlflow``) unless a database URL is given, as a team set-up
-does with PostgreSQL (see ``infra/postgres``).
+MLflow's sqlite and artifacts in ``$VIP_HOME/mlflow``) unless a database is named, as a team set-up does
+with PostgreSQL (``PREFECT_API_DATABASE_CONNECTION_URL``, ``VIP_MLFLOW_BACKEND_STORE_URI``,
+``VIP_MLFLOW_ARTIFACTS_DESTINATION``; see ``infra/postgres``).
 
 ``python -m tasks.services ui`` starts whichever of the two is not already running, prints the URLs and
 serves until interrupted.
@@ -14,6 +15,7 @@ import argparse
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -40,6 +42,13 @@ class Service:
     health_url: str
     process: subprocess.Popen
     log_path: Path
+
+
+def free_port() -> int:
+    """A port of 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as probe:
+        probe.bind((HOST, 0))
+        return probe.getsockname()[1]
 
 
 def prefect_url(port: int = PREFECT_PORT) -> str:
@@ -74,7 +83,8 @@ def start_prefect_server(
 
     Args:
         port: the port of the API and the UI.
-        database_url: a SQLAlchemy URL (``postgresql+asyncpg://...``); None: sqlite in ``$PREFECT_HOME``.
+        database_url: a SQLAlchemy URL (``postgresql+asyncpg://...``); None: Prefect's own setting
+            (``PREFECT_API_DATABASE_CONNECTION_URL``, a team's PostgreSQL), else sqlite in ``$PREFECT_HOME``.
         log_dir: where the server's output goes; default ``$VIP_HOME/logs``.
     """
     env = dict(os.environ)
@@ -97,13 +107,17 @@ def start_mlflow_server(
 
     Args:
         port: the port of the tracking API and the UI.
-        backend_store_uri: the run and registry store; default the sqlite file in ``$VIP_HOME/mlflow``.
-        artifacts_destination: where artifacts go; default ``$VIP_HOME/mlflow/artifacts``.
+        backend_store_uri: the run and registry store; default ``$VIP_MLFLOW_BACKEND_STORE_URI`` (a team's
+            PostgreSQL, see ``infra/postgres``), else the sqlite file in ``$VIP_HOME/mlflow``.
+        artifacts_destination: where artifacts go; default ``$VIP_MLFLOW_ARTIFACTS_DESTINATION``, else
+            ``$VIP_HOME/mlflow/artifacts``.
         log_dir: where the server's output goes; default ``$VIP_HOME/logs``.
     """
     paths = state_paths()
-    backend_store_uri = backend_store_uri or f"sqlite:///{paths['mlflow_db']}"
-    artifacts_destination = artifacts_destination or str(paths["mlflow_artifacts"])
+    backend_store_uri = (backend_store_uri or os.environ.get("VIP_MLFLOW_BACKEND_STORE_URI")
+                         or f"sqlite:///{paths['mlflow_db']}")
+    artifacts_destination = (artifacts_destination or os.environ.get("VIP_MLFLOW_ARTIFACTS_DESTINATION")
+                             or str(paths["mlflow_artifacts"]))
     env = dict(os.environ)
     env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "false"
     command = [
@@ -191,8 +205,12 @@ def serve_ui() -> int:
             started.append(start_prefect_server())
         if not is_healthy(mlflow_health_url()):
             started.append(start_mlflow_server())
-        print(f"Prefect UI: {prefect_url()}   (flow runs, deployments; state in {home / 'prefect'})")
-        print(f"MLflow UI:  {mlflow_url()}   (runs, metrics, registered models; state in {home / 'mlflow'})")
+        prefect_store = ("PREFECT_API_DATABASE_CONNECTION_URL" if os.environ.get("PREFECT_API_DATABASE_CONNECTION_URL")
+                         else home / "prefect")
+        mlflow_store = ("VIP_MLFLOW_BACKEND_STORE_URI" if os.environ.get("VIP_MLFLOW_BACKEND_STORE_URI")
+                        else home / "mlflow")
+        print(f"Prefect UI: {prefect_url()}   (flow runs, deployments; state: {prefect_store})")
+        print(f"MLflow UI:  {mlflow_url()}   (runs, metrics, registered models; state: {mlflow_store})")
         if not started:
             print("Both servers were already running; nothing to do.")
             return 0

@@ -4,7 +4,6 @@ missing), the Prefect and MLflow servers on free ports of 127.0.0.1, and a headl
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import tempfile
 from pathlib import Path
@@ -21,12 +20,6 @@ CHROMIUM_FLAGS = (
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
     "--window-size=1400,1000",
 )
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind((services.HOST, 0))
-        return probe.getsockname()[1]
 
 
 def _missing_system_programs() -> list[str]:
@@ -53,9 +46,9 @@ def system_programs() -> None:
 @pytest.fixture(scope="module")
 def ui_servers() -> Iterator[dict[str, services.Service]]:
     """The Prefect server and the MLflow server on the test session's stores, as ``make ui`` starts them."""
-    prefect = services.start_prefect_server(port=free_port())
+    prefect = services.start_prefect_server(port=services.free_port())
     try:
-        mlflow = services.start_mlflow_server(port=free_port())
+        mlflow = services.start_mlflow_server(port=services.free_port())
     except BaseException:
         services.stop(prefect)
         raise

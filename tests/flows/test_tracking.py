@@ -71,8 +71,10 @@ def _summary():
         config=tiny(), flow_run_id="f", mlflow_run_id="m", workdir="/w",
         ingest={"kept": 300}, render={"images": 256}, pretrain_syn={"checkpoint": "/s", "steps": 20},
         pretrain_dp={"checkpoint": "/p", "steps": 10, "epsilon": 7.91, "delta": 0.0016},
-        evaluations={"linprobe": {"vip": {"top1": 0.62}, "random-init": {"top1": 0.41}}},
+        evaluations={"linprobe": {"result": {"top1": 0.62}, "baseline": {"top1": 0.41}, "seconds": {"result": 9}}},
         registered_model="vip-encoder/3",
+        audit={"epsilon_lower_bound": 0.42, "epsilon_claimed": 8.0, "canaries": 1000, "correct_guesses": 90,
+               "guesses": 100, "output": "/a"},
     )
 
 
@@ -82,6 +84,7 @@ def test_the_results_table_puts_each_evaluation_beside_its_baseline():
     row = next(line for line in table.splitlines() if line.strip().startswith("linprobe"))
     assert row.split() == ["linprobe", "top1", "0.6200", "0.4100", "+0.2100"]
     assert "vip-encoder/3" in table
+    assert "empirical ε ≥ 0.420 from 1000 canaries" in table
 
 
 def test_summary_metrics_are_namespaced():
