@@ -5,7 +5,8 @@ initialised encoder of the same size (the baseline beside the result).
 (``result``) and for the random-init encoder (``baseline``), side by side. With an MLflow run id it logs a
 child run of that run (tag ``mlflow.parentRunId``) with ``eval/<task>/<metric>`` for the result and
 ``eval/<task>/<metric>_random_init`` for the baseline, and ``metrics.json`` as an artifact. Running it
-again with the same task, settings, checkpoint and data returns the stored metrics without recomputing.
+again with the same task, settings, checkpoint and data reuses the stored metrics instead of recomputing
+(and still logs them to MLflow when a parent run is given).
 
 Evaluation data is public: the privacy guarantee of pre-training covers the pre-training data only.
 """
@@ -52,16 +53,27 @@ def run_evaluation(config: VipConfig, task: str, checkpoint: str | None, data: s
         FileNotFoundError: a missing checkpoint or dataset path.
         ValueError: an unknown task, malformed data or a bad setting (one line naming it).
     """
-    from vip_core.eval.features import default_device
-    from vip_core.eval.jobs import prepare_job
-
     output_dir = Path(output)
     model_config = _model_config(config, checkpoint)
     fingerprint = _fingerprint(config, model_config, task, checkpoint, data)
-    stored = _stored_metrics(output_dir, fingerprint)
-    if stored is not None:
+    metrics = _stored_metrics(output_dir, fingerprint)
+    if metrics is None:
+        metrics = _evaluate(config, model_config, task, checkpoint, data)
+        metrics["fingerprint"] = fingerprint
+        _write_json(output_dir / METRICS_FILE, metrics)
+    else:
         logger.info("%s: metrics for these inputs already in %s", task, output_dir / METRICS_FILE)
-        return stored
+    if mlflow_run_id:
+        log_child_run(mlflow_run_id, config, task, metrics, output_dir / METRICS_FILE)
+    return metrics
+
+
+def _evaluate(config: VipConfig, model_config: ModelConfig, task: str, checkpoint: str | None,
+              data: str) -> dict[str, Any]:
+    """The job on each encoder, timed; the data is checked before any encoder is built."""
+    from vip_core.eval.features import default_device
+    from vip_core.eval.jobs import prepare_job
+
     device = default_device()
     job = prepare_job(task, data, config.evaluation, model_config, device)
     encoders = _encoders(config, model_config, checkpoint)
@@ -74,10 +86,7 @@ def run_evaluation(config: VipConfig, task: str, checkpoint: str | None, data: s
         seconds[role] = round(time.monotonic() - started, 2)
         logger.info("%s on the %s encoder: %s", task, role, metrics[role])
     metrics.setdefault("baseline", None)
-    metrics.update(baseline_encoder=BASELINE, seconds=seconds, note=DATA_NOTE, fingerprint=fingerprint)
-    _write_json(output_dir / METRICS_FILE, metrics)
-    if mlflow_run_id:
-        log_child_run(mlflow_run_id, config, task, metrics, output_dir / METRICS_FILE)
+    metrics.update(baseline_encoder=BASELINE, seconds=seconds, note=DATA_NOTE)
     return metrics
 
 

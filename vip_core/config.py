@@ -205,7 +205,7 @@ class EvaluationConfig(_Frozen):
     layer_decay: float = Field(0.75, gt=0, le=1)
     fewshot_shots: tuple[int, ...] = (1, 5, 10)
     fewshot_seeds: int = Field(3, gt=0)
-    fewshot_l2: float = Field(1e-3, ge=0)
+    fewshot_l2: float = Field(1.0, gt=0, description="ridge penalty on standardised features")
     batch_size: int = Field(64, gt=0)
     detection_epochs: int = Field(2, gt=0)
     detection_img_size: int = Field(1024, gt=0)

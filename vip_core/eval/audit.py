@@ -231,8 +231,9 @@ def train_with_canaries(config: VipConfig, canaries: int, *, ordinary: int | Non
     streams = _Streams(seed)
     included = torch.rand(canaries, generator=streams.inclusion) < 0.5  # included: [m]
     members = torch.nonzero(included).squeeze(1)  # members: [k] canary ids in the training set
-    torch.manual_seed(seed)
-    model = CanaryAuditModel(build_mae(config.model), canaries, scale=config.privacy.max_grad_norm)
+    with torch.random.fork_rng():  # the MAE's initialisation draws from the global stream: leave it as it was
+        torch.manual_seed(seed)
+        model = CanaryAuditModel(build_mae(config.model), canaries, scale=config.privacy.max_grad_norm)
     sample_rate, sigma, delta, epsilon = _privacy_claim(config, public_size)
     dataset = _AuditDataset(members, ordinary, config, streams.images)
     scores = _train(model, dataset, config, sample_rate, sigma, streams)
@@ -326,8 +327,13 @@ def _private_step(model: CanaryAuditModel, ordinary: dict[str, torch.Tensor], ca
 def _plain_step(model: CanaryAuditModel, ordinary: dict[str, torch.Tensor], canaries: dict[str, torch.Tensor],
                 config: VipConfig) -> None:
     """The non-private gradient: no clipping, no noise, the losses summed over the batch / batch size."""
-    total = ordinary_loss(model, ordinary).sum() + canary_loss(model, canaries).sum()
-    (total / config.private.batch_size).backward()
+    total = torch.zeros(())
+    if len(ordinary["images"]):
+        total = total + ordinary_loss(model, ordinary).sum()
+    if len(canaries["canary"]):
+        total = total + canary_loss(model, canaries).sum()
+    if total.requires_grad:
+        (total / config.private.batch_size).backward()
     for param in model.parameters():
         if param.grad is None:  # nothing of this kind in the batch
             param.grad = torch.zeros_like(param)

@@ -35,6 +35,8 @@ from vip_core.eval.pyramid import SimpleFeaturePyramid, resize_encoder
 logger = logging.getLogger(__name__)
 
 LEVELS = ["0", "1", "2", "3"]
+# torchvision's proposal and RoI counts suit images of this side; smaller images get proportionally fewer.
+DEFAULT_DETECTION_SIZE = 800
 
 
 @dataclass(frozen=True)
@@ -52,12 +54,20 @@ class DetectionSettings:
 
 
 def build_detector(encoder: nn.Module, num_classes: int, with_masks: bool, settings: DetectionSettings) -> nn.Module:
-    """Faster/Mask R-CNN on the simple pyramid; anchors are 8x each level's stride, as in torchvision's FPN."""
+    """Faster/Mask R-CNN on the simple pyramid; anchors are 8x each level's stride, as in torchvision's FPN.
+
+    Proposal and sampled-RoI counts are torchvision's defaults scaled by the image area relative to
+    800 px (never below 200 proposals / 64 RoIs), so small CPU runs do not spend their time on RoIAlign.
+    """
     backbone = SimpleFeaturePyramid(resize_encoder(encoder, settings.img_size), settings.channels)
     anchors = AnchorGenerator(sizes=tuple((8 * stride,) for stride in backbone.strides),
                               aspect_ratios=((0.5, 1.0, 2.0),) * len(backbone.strides))
     representation = 4 * settings.channels
+    area = min(1.0, (settings.img_size / DEFAULT_DETECTION_SIZE) ** 2)
     common = dict(
+        rpn_pre_nms_top_n_train=max(200, int(2000 * area)), rpn_post_nms_top_n_train=max(100, int(2000 * area)),
+        rpn_pre_nms_top_n_test=max(200, int(1000 * area)), rpn_post_nms_top_n_test=max(100, int(1000 * area)),
+        box_batch_size_per_image=max(64, int(512 * area)),
         num_classes=None, min_size=settings.img_size, max_size=settings.img_size, size_divisible=settings.img_size,
         image_mean=list(IMAGENET_MEAN), image_std=list(IMAGENET_STD), rpn_anchor_generator=anchors,
         box_roi_pool=MultiScaleRoIAlign(LEVELS, output_size=7, sampling_ratio=2),

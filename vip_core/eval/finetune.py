@@ -129,17 +129,19 @@ def plan_dp(settings: DPSettings, dataset_size: int) -> dict[str, float]:
     if sigma is None:
         sigma = calibrate_noise_multiplier(target_epsilon=settings.target_epsilon, **accounting)
     epsilon = compute_epsilon(noise_multiplier=sigma, **accounting)
+    if epsilon > settings.target_epsilon * (1 + 1e-6):
+        raise ValueError(f"evaluation.finetune_privacy.noise_multiplier: σ = {sigma} over {settings.steps} steps "
+                         f"spends ε = {epsilon:.3f}, above the target {settings.target_epsilon}")
     return {"sample_rate": sample_rate, "delta": delta, "noise_multiplier": sigma, "epsilon": epsilon,
             "steps": settings.steps, "max_grad_norm": settings.max_grad_norm}
 
 
 def dp_finetune(model: EncoderClassifier, train: Dataset, settings: FinetuneSettings, dp: DPSettings,
-                device: torch.device) -> tuple[EncoderClassifier, dict[str, float]]:
-    """DP fine-tuning through the DP engine; returns the model and its privacy report (ε, δ, σ, q)."""
+                plan: dict[str, float], device: torch.device) -> EncoderClassifier:
+    """DP fine-tuning through the DP engine with the privacy ``plan`` of :func:`plan_dp` for ``train``."""
     from vip_core.privacy.engine import privatized_gradients
     from vip_core.privacy.sampling import PoissonSampler
 
-    plan = plan_dp(dp, len(train))
     torch.manual_seed(settings.seed)
     sampling_stream = torch.Generator().manual_seed(settings.seed + 1)
     noise_stream = torch.Generator(device=device).manual_seed(settings.seed + 2)
@@ -159,7 +161,7 @@ def dp_finetune(model: EncoderClassifier, train: Dataset, settings: FinetuneSett
         schedule.step()
         if step % max(1, dp.steps // 5) == 0:
             logger.info("DP fine-tune step %d/%d: %d examples sampled", step + 1, dp.steps, len(labels))
-    return model, plan
+    return model
 
 
 @torch.no_grad()

@@ -91,22 +91,21 @@ def _finetune(data: Path, evaluation: EvaluationConfig, model: ModelConfig, devi
                                 batch_size=evaluation.batch_size, layer_decay=evaluation.layer_decay,
                                 weight_decay=evaluation.finetune_weight_decay, seed=evaluation.seed)
     private = evaluation.finetune_privacy
-    dp = None
+    dp, plan = None, {}
     if private.enabled:
         dp = DPSettings(target_epsilon=private.target_epsilon, delta=private.delta,
                         max_grad_norm=private.max_grad_norm, noise_multiplier=private.noise_multiplier,
                         batch_size=private.batch_size, physical_batch_size=private.physical_batch_size,
                         steps=private.steps, accountant=private.accountant)
-        plan_dp(dp, len(train))  # a batch larger than the data fails now, before any training
+        plan = plan_dp(dp, len(train))  # settings that cannot hold fail now, before any training
+    report = {f"dp_{key}": float(value) for key, value in plan.items()}
 
     def job(encoder: nn.Module) -> dict[str, float]:
         classifier = EncoderClassifier(encoder, dataset.num_classes)
-        report: dict[str, float] = {}
         if dp is None:
             finetune(classifier, train, settings, device)
         else:
-            _, plan = dp_finetune(classifier, train, settings, dp, device)
-            report = {f"dp_{key}": float(value) for key, value in plan.items()}
+            dp_finetune(classifier, train, settings, dp, plan, device)
         accuracy = evaluate_classifier(classifier, val, evaluation.batch_size, device)
         return {**accuracy, **report, "chance_top1": 1 / dataset.num_classes}
 
