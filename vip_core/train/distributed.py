@@ -63,20 +63,25 @@ def all_reduce_gradients(params: Iterable[nn.Parameter]) -> None:
 
 def all_reduce_sum(value: float) -> float:
     """``value`` summed over ranks (float64)."""
-    if not is_distributed():
-        return float(value)
-    tensor = torch.tensor([float(value)], dtype=torch.float64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return float(tensor.item())
+    return _all_reduce_scalar(value, dist.ReduceOp.SUM) if is_distributed() else float(value)
 
 
 def all_reduce_max(value: float) -> float:
     """The largest ``value`` over ranks."""
-    if not is_distributed():
-        return float(value)
-    tensor = torch.tensor([float(value)], dtype=torch.float64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return _all_reduce_scalar(value, dist.ReduceOp.MAX) if is_distributed() else float(value)
+
+
+def _all_reduce_scalar(value: float, op: dist.ReduceOp) -> float:
+    tensor = torch.tensor([float(value)], dtype=torch.float64, device=_collective_device())
+    dist.all_reduce(tensor, op=op)
     return float(tensor.item())
+
+
+def _collective_device() -> torch.device:
+    """Where the backend reduces tensors: the current GPU for NCCL, the CPU for gloo."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def broadcast_parameters(model: nn.Module, src: int = 0) -> None:
