@@ -38,7 +38,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -55,6 +55,10 @@ from vip_core.train.distributed import (
     rank_noise_multiplier,
     trainable_parameters,
 )
+
+if TYPE_CHECKING:
+    from vip_core.privacy.ledger import PrivacyLedger
+    from vip_core.privacy.sampling import PoissonSampler
 
 log = logging.getLogger(__name__)
 
@@ -317,10 +321,10 @@ class WorkerState:
     partition: ShardPartition
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
-    sampler: Any
+    sampler: PoissonSampler
     masking: torch.Generator
     noise: torch.Generator
-    ledger: Any = None
+    ledger: PrivacyLedger | None = None
     step: int = 0
     resumes: int = 0
     stopped_by_budget: bool = False
