@@ -19,6 +19,8 @@ shard, each atomically. Cleaning is in shard order, so duplicates resolve the sa
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import io
 import json
@@ -34,7 +36,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -161,12 +163,45 @@ def run_ingest(
         build_contamination_index(eval_images, settings.decontaminate_max_distance) if eval_images else (None, {})
     )
     layout = IngestLayout(Path(output).resolve())
-    _claim_output(layout, _fingerprint(settings, urls, eval_hashes))
-    shard_count = math.ceil(len(urls) / settings.samples_per_shard)
-    cleaner = ShardCleaner(layout, urls, settings, sample_filter, contamination)
-    write_img2dataset_input(layout.url_input, urls.urls())
+    with exclusive_use(layout) as lock:
+        _claim_output(layout, _fingerprint(settings, urls, eval_hashes))
+        shard_count = math.ceil(len(urls) / settings.samples_per_shard)
+        cleaner = ShardCleaner(layout, urls, settings, sample_filter, contamination)
+        write_img2dataset_input(layout.url_input, urls.urls())
+        _download_and_clean(layout, settings, cleaner, shard_count, lock)
+        stats = _finish(layout, shard_count, len(urls))
+    return {**stats, "output": str(layout.output), "shards": len(list_shards(layout.output, SHARD_PREFIX))}
+
+
+@contextlib.contextmanager
+def exclusive_use(layout: IngestLayout) -> Iterator[int]:
+    """Holds an exclusive lock on the output folder; yields the lock's file descriptor.
+
+    The img2dataset child inherits the descriptor, so the folder stays locked until the download stops,
+    even if this process is killed alone.
+
+    Raises:
+        ValueError: another ingestion holds the folder.
+    """
+    layout.work.mkdir(parents=True, exist_ok=True)
+    descriptor = os.open(layout.work / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(descriptor)
+        raise ValueError(f"output {layout.output} is being written by another ingestion") from None
+    try:
+        yield descriptor
+    finally:
+        os.close(descriptor)
+
+
+def _download_and_clean(
+    layout: IngestLayout, settings: IngestConfig, cleaner: "ShardCleaner", shard_count: int, lock: int
+) -> None:
+    """Runs img2dataset on the shards not yet downloaded while cleaning every shard in order."""
     downloader = None if _all_downloaded(layout, shard_count) else start_img2dataset(
-        img2dataset_arguments(settings, layout.url_input, layout.raw, reencode=False), layout.log
+        img2dataset_arguments(settings, layout.url_input, layout.raw, reencode=False), layout.log, keep_fds=(lock,)
     )
     try:
         for shard_id in range(shard_count):
@@ -179,8 +214,6 @@ def run_ingest(
         stop_process(downloader)
         raise
     finish_process(downloader)
-    stats = _finish(layout, shard_count, len(urls))
-    return {**stats, "output": str(layout.output), "shards": len(list_shards(layout.output, SHARD_PREFIX))}
 
 
 def _sample_filter(settings: IngestConfig) -> SampleFilter:
@@ -466,8 +499,9 @@ def img2dataset_arguments(settings: IngestConfig, url_input: Path, raw: Path, *,
     }
 
 
-def start_img2dataset(arguments: dict[str, Any], log: Path) -> subprocess.Popen:
-    """Starts ``img2dataset.download(**arguments)`` in a child process that logs to ``log``."""
+def start_img2dataset(arguments: dict[str, Any], log: Path, keep_fds: tuple[int, ...] = ()) -> subprocess.Popen:
+    """Starts ``img2dataset.download(**arguments)`` in a child process that logs to ``log`` and inherits
+    the file descriptors ``keep_fds``."""
     env = {**os.environ, "NO_ALBUMENTATIONS_UPDATE": "1", "WANDB_MODE": "disabled"}
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as log_file:
@@ -477,6 +511,7 @@ def start_img2dataset(arguments: dict[str, Any], log: Path) -> subprocess.Popen:
             stdout=log_file,
             stderr=subprocess.STDOUT,
             env=env,
+            pass_fds=keep_fds,
         )
 
 

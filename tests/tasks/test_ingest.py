@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tasks.demo_web import SampleWeb, distinct_photo_indices, laion_row, photo_path, sample_photo, write_url_list
-from tasks.ingest import run_ingest
+from tasks.ingest import IngestLayout, exclusive_use, run_ingest
 from vip_core.config import get_preset, with_overrides
 from vip_core.data.shards import iter_samples, list_shards, sample_image
 
@@ -198,6 +198,14 @@ def test_bad_conditions_and_evaluation_folders_are_one_line_errors(tmp_path):
         assert result.stderr.startswith("vip ingest: error: ") and message in result.stderr
         assert result.stderr.count("\n") == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_an_output_folder_in_use_is_refused(tmp_path):
+    url_list = write_url_list(tmp_path / "laion.parquet", [laion_row("http://127.0.0.1:9/a.jpg", "a")])
+    with exclusive_use(IngestLayout(tmp_path / "out")):
+        with pytest.raises(ValueError, match="being written by another ingestion"):
+            run_ingest(_config(), url_list, tmp_path / "out")
+    assert not (tmp_path / "out" / "_ingest" / "state.json").exists()
 
 
 @pytest.mark.slow
