@@ -36,7 +36,7 @@ CONFIG_SLICES: dict[str, tuple[str, ...]] = {
 # Fields left out of a slice: the list of evaluation tasks does not change what one task computes.
 EXCLUDED_FIELDS = {"evaluation": {"tasks"}}
 # Parameters that name inputs: their files are fingerprinted. Outputs are keyed by path only.
-INPUT_PARAMETERS = ("url_list", "eval_images", "shaders", "data", "init_checkpoint", "checkpoint", "canaries")
+INPUT_PARAMETERS = ("url_list", "eval_images", "shaders", "data", "init_checkpoint", "checkpoint")
 IGNORED_PARAMETERS = ("config", "parent_run_id")
 
 

@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Iterator
@@ -76,6 +77,55 @@ def sample_web(root: Path, port: int) -> Iterator[str]:
         stop_web()
 
 
+class TrainingProgress:
+    """Prints the step, loss and ε of each training stage that is running, read from MLflow every few seconds.
+
+    The training workers run in Ray's processes; their metrics reach MLflow at every step, so the store is
+    where the driver sees them.
+    """
+
+    def __init__(self, interval_s: float = 10.0) -> None:
+        self.interval_s = interval_s
+        self.since_ms = int(time.time() * 1000)
+        self._printed: dict[str, str] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> "TrainingProgress":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            with contextlib.suppress(Exception):  # a busy store is no reason to stop the run: next time
+                self.report()
+
+    def report(self) -> None:
+        from tasks import tracking
+
+        client = tracking.client()
+        running = client.search_runs(
+            [tracking.experiment_id()],
+            filter_string=f"attributes.status = 'RUNNING' AND attributes.start_time >= {self.since_ms}",
+        )
+        for run in running:
+            stage = run.data.tags.get(tracking.STAGE_TAG, "")
+            if "train/loss" not in run.data.metrics:
+                continue
+            step = client.get_metric_history(run.info.run_id, "train/loss")[-1].step
+            total = run.data.params.get("private.steps" if stage == "pretrain-dp" else "synthetic.steps", "?")
+            line = f"[progress] {stage}: step {step}/{total}, train/loss {run.data.metrics['train/loss']:.4f}"
+            if "privacy/epsilon" in run.data.metrics:
+                line += f", privacy/epsilon {run.data.metrics['privacy/epsilon']:.3f}"
+            if self._printed.get(run.info.run_id) != line:
+                self._printed[run.info.run_id] = line
+                _say(line)
+
+
 def use_running_prefect_server() -> str | None:
     """Points Prefect at ``make ui``'s server when it runs (the run then shows live); else None.
 
@@ -105,7 +155,8 @@ def run_demo(config: VipConfig, *, web_port: int = WEB_PORT, images: int = WEB_I
         _say(f"[demo] web sample served at {base_url}; url list {url_list}")
         from flows.pipeline import vip_pipeline
 
-        return vip_pipeline(config=config, url_list=str(url_list), eval_data=str(eval_data))
+        with TrainingProgress():
+            return vip_pipeline(config=config, url_list=str(url_list), eval_data=str(eval_data))
 
 
 def report(summary: dict, seconds: float) -> str:

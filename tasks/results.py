@@ -137,4 +137,6 @@ def _numbers(result: Mapping[str, Any]) -> dict[str, float]:
 def _fmt(value: float | None, signed: bool = False) -> str:
     if value is None:
         return "-"
+    if float(value).is_integer() and abs(value) >= 1:
+        return f"{int(value):+d}" if signed else f"{int(value)}"
     return f"{value:+.4f}" if signed else f"{value:.4f}"
