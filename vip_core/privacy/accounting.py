@@ -24,6 +24,8 @@ import math
 import warnings
 from typing import Callable
 
+import numpy as np
+
 log = logging.getLogger(__name__)
 
 ACCOUNTANTS = ("pld", "prv", "rdp")
@@ -142,7 +144,11 @@ def _prv_epsilon(sigma: float, sample_rate: float, steps: int, delta: float) -> 
     eps_error = max(_memoised_epsilon(sigma, sample_rate, steps, delta, "rdp") / _PRV_RESOLUTION, _PRV_MIN_ERROR)
     accountant = PRVAccountant()
     accountant.history = [(sigma, sample_rate, steps)]
-    return float(accountant.get_epsilon(delta, eps_error=eps_error))
+    # Its domain bound uses RDP (which may warn about its order range) and log(1 - q) is -inf at q = 1:
+    # both are handled, and the result stays an upper bound.
+    with warnings.catch_warnings(), np.errstate(divide="ignore", over="ignore"):
+        warnings.simplefilter("ignore", UserWarning)
+        return float(accountant.get_epsilon(delta, eps_error=eps_error))
 
 
 _EPSILON: dict[str, Callable[[float, float, int, float], float]] = {
