@@ -301,3 +301,26 @@ def test_a_loss_that_is_not_per_sample_is_refused():
             nn.Linear(3, 1), lambda m, x: m(x).mean(), torch.randn(4, 3), max_grad_norm=1.0, noise_multiplier=1.0,
             expected_batch_size=4,
         )
+
+
+def test_bf16_autocast_gives_the_fp32_clipped_sum_within_bf16_precision():
+    torch.manual_seed(0)
+    vit, inputs = tiny_vit(), {"x": torch.randn(6, 3, 16, 16), "y": torch.randint(0, 3, (6,))}
+
+    def autocast_loss(model, batch):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return F.cross_entropy(model(batch["x"]).float(), batch["y"], reduction="none")
+
+    full = torch.cat([g.flatten() for g in engine_grads(vit, classification_loss, inputs, 0.05)])
+    mixed = torch.cat([g.flatten() for g in engine_grads(vit, autocast_loss, inputs, 0.05)])
+    assert all(p.grad.dtype == torch.float32 for p in vit.parameters())
+    assert ((mixed - full).norm() / full.norm()).item() < 0.03
+
+
+def test_layernorm_with_a_zero_scale_gives_the_exact_clipped_sum():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.Linear(6, 1))
+    with torch.no_grad():
+        model[1].weight.copy_(torch.tensor([0.0, 1.0, -2.0, 0.5, 1e-4, 3.0]))
+        model[1].bias.copy_(torch.tensor([0.3, -1.0, 0.0, 2.0, 1.0, 0.1]))
+    assert_matches_reference(model, lambda m, x: m(x).sum((1, 2)), torch.randn(5, 3, 4), max_grad_norm=0.2)

@@ -140,7 +140,7 @@ class ClippedGradientSum:
                 noisy.add_(self.sums.pop(param))
             param.grad = noisy.div_(expected_batch_size)
         t = self.totals
-        return StepStats(t.examples, t.loss_sum, t.clipped, t.non_finite)
+        return StepStats(t.examples, float(t.loss_sum), int(t.clipped), int(t.non_finite))
 
 
 def _check_arguments(
@@ -292,10 +292,12 @@ def _slice(inputs: Inputs, start: int, stop: int) -> Inputs:
 
 @dataclass
 class _Totals:
+    """Running statistics; the tensor ones stay on the device until the end (no sync per microbatch)."""
+
     examples: int = 0
-    loss_sum: float = 0.0
-    clipped: int = 0
-    non_finite: int = 0
+    loss_sum: float | torch.Tensor = 0.0
+    clipped: int | torch.Tensor = 0
+    non_finite: int | torch.Tensor = 0
 
 
 class _Capture(torch.autograd.Function):
@@ -339,20 +341,36 @@ class _Tape:
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor | None:
             if not (torch.is_grad_enabled() and output.requires_grad):
                 return None
-            layer_input = (args[0] if args else kwargs["input"]).detach()
-            version = layer_input._version
-
-            def receive(output_grad: torch.Tensor) -> None:
-                if layer_input._version != version:
-                    raise RuntimeError(
-                        f"the input of layer '{rule.name}' was modified in place after the layer ran; "
-                        "per-sample gradients need it unchanged"
-                    )
-                rule.record(layer_input, output_grad)
-
-            return _capture(output, self.anchor, module, receive)
+            call = _Call(rule, (args[0] if args else kwargs["input"]).detach())
+            captured = _capture(output, self.anchor, module, call.receive)
+            if rule.uses_output:
+                call.keep_output(captured.detach())
+            return captured
 
         return hook
+
+
+class _Call:
+    """One call of a layer: its input (and output, for rules that use it), checked for in-place changes."""
+
+    def __init__(self, rule: Rule, layer_input: torch.Tensor) -> None:
+        self.rule = rule
+        self.tensors = [layer_input]
+        self.versions = [layer_input._version]
+        self.output: torch.Tensor | None = None
+
+    def keep_output(self, output: torch.Tensor) -> None:
+        self.output = output
+        self.tensors.append(output)
+        self.versions.append(output._version)
+
+    def receive(self, output_grad: torch.Tensor) -> None:
+        if [t._version for t in self.tensors] != self.versions:
+            raise RuntimeError(
+                f"the input or output of layer '{self.rule.name}' was modified in place after the layer ran; "
+                "per-sample gradients need them unchanged"
+            )
+        self.rule.record(self.tensors[0], self.output, output_grad)
 
 
 def _capture(output: torch.Tensor, anchor: torch.Tensor, module: nn.Module, receive: Callable) -> torch.Tensor:
@@ -396,9 +414,9 @@ def _add_microbatch(
     for rule in rules:
         rule.add_clipped_sum(factors, sums)
     total.examples += batch
-    total.loss_sum += float(losses.detach().float().sum())
-    total.clipped += int(((squared.sqrt() > max_grad_norm) & finite).sum())
-    total.non_finite += int((~finite).sum())
+    total.loss_sum += losses.detach().float().sum()
+    total.clipped += ((squared.sqrt() > max_grad_norm) & finite).sum()
+    total.non_finite += (~finite).sum()
 
 
 def clip_factors(squared_norms: torch.Tensor, max_grad_norm: float) -> tuple[torch.Tensor, torch.Tensor]:

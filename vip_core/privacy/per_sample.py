@@ -62,6 +62,8 @@ class Rule:
         params: the trainable parameters this rule covers.
     """
 
+    uses_output = False
+
     def __init__(self, name: str, params: list[nn.Parameter]) -> None:
         self.name = name
         self.params = params
@@ -78,7 +80,8 @@ class Rule:
         """``[B]`` squared per-sample gradient norms over this rule's parameters (0 for an unused layer)."""
         total = torch.zeros(batch_size, device=device, dtype=torch.float32)
         for grads in self.per_sample.values():
-            total += torch.linalg.vector_norm(grads.reshape(batch_size, -1), dim=1).float().square()
+            flat = grads.reshape(batch_size, -1)  # flat: [B, numel]
+            total += torch.linalg.vecdot(flat, flat).float()
         return total
 
     def add_clipped_sum(self, factors: torch.Tensor, sums: Sums) -> None:
@@ -147,7 +150,7 @@ class MatmulRule(Rule):
             else:
                 act_gram = torch.bmm(acts, acts.transpose(1, 2))  # act_gram: [B*g, T, T]
                 grad_gram = torch.bmm(grads, grads.transpose(1, 2))  # grad_gram: [B*g, T, T]
-                ghost = (act_gram * grad_gram).sum((1, 2))  # ghost: [B*g]
+                ghost = torch.linalg.vecdot(act_gram.flatten(1), grad_gram.flatten(1))  # ghost: [B*g]
             total += ghost.view(batch_size, -1).sum(1).float()
         return total
 
@@ -180,7 +183,7 @@ class MatmulRule(Rule):
 class LinearRule(MatmulRule):
     """``nn.Linear`` on inputs ``[B, ..., d_in]``: every middle position is a token."""
 
-    def record(self, inputs: torch.Tensor, output_grad: torch.Tensor) -> None:
+    def record(self, inputs: torch.Tensor, output: torch.Tensor | None, output_grad: torch.Tensor) -> None:
         batch = inputs.shape[0]
         acts = inputs.reshape(batch, 1, -1, inputs.shape[-1])  # acts: [B, 1, T, d_in]
         grads = output_grad.reshape(batch, 1, -1, output_grad.shape[-1])  # grads: [B, 1, T, d_out]
@@ -195,7 +198,7 @@ class Conv2dRule(MatmulRule):
         super().__init__(name, module)
         self.module = module
 
-    def record(self, inputs: torch.Tensor, output_grad: torch.Tensor) -> None:
+    def record(self, inputs: torch.Tensor, output: torch.Tensor | None, output_grad: torch.Tensor) -> None:
         conv = self.module
         batch, groups = inputs.shape[0], conv.groups
         padding = conv._reversed_padding_repeated_twice
@@ -209,23 +212,50 @@ class Conv2dRule(MatmulRule):
 
 
 class LayerNormRule(Rule):
-    """``nn.LayerNorm``: weight gradient ``Σ_t G ⊙ x̂``, bias gradient ``Σ_t G``, per sample."""
+    """``nn.LayerNorm``: weight gradient ``Σ_t G ⊙ x̂``, bias gradient ``Σ_t G``, per sample.
+
+    ``x̂`` is not recomputed: with ``y = x̂ ⊙ w + b`` the layer's output, ``Σ_t G ⊙ x̂ = (Σ_t G ⊙ y − b ⊙ Σ_t G) / w``,
+    used when no |w| is below |b| / 100 (so rounding stays near float precision); otherwise the input
+    is normalised again. Either way the norm is taken of the very tensor that is summed, so clipping
+    bounds the sensitivity exactly.
+    """
+
+    uses_output = True
 
     def __init__(self, name: str, module: nn.LayerNorm) -> None:
         weight = module.weight if module.weight is not None and module.weight.requires_grad else None
         bias = module.bias if module.bias is not None and module.bias.requires_grad else None
         super().__init__(name, [p for p in (weight, bias) if p is not None])
         self.module, self.weight, self.bias = module, weight, bias
+        self.invertible = weight is not None and _well_conditioned(weight.detach(), module.bias)
 
-    def record(self, inputs: torch.Tensor, output_grad: torch.Tensor) -> None:
+    def record(self, inputs: torch.Tensor, output: torch.Tensor | None, output_grad: torch.Tensor) -> None:
         shape = self.module.normalized_shape
         batch = inputs.shape[0]
         grads = output_grad.float().reshape(batch, -1, *shape)  # grads: [B, T, *shape]
+        grad_sum = grads.sum(1)  # grad_sum: [B, *shape], the bias gradient
         if self.weight is not None:
-            normalized = F.layer_norm(inputs.float(), shape, eps=self.module.eps)  # x̂: [B, ..., *shape]
-            self.accumulate(self.weight, (grads * normalized.reshape_as(grads)).sum(1))  # [B, *shape]
+            self.accumulate(self.weight, self._weight_grads(inputs, output, grads, grad_sum))
         if self.bias is not None:
-            self.accumulate(self.bias, grads.sum(1))  # [B, *shape]
+            self.accumulate(self.bias, grad_sum)
+
+    def _weight_grads(
+        self, inputs: torch.Tensor, output: torch.Tensor | None, grads: torch.Tensor, grad_sum: torch.Tensor
+    ) -> torch.Tensor:
+        """Σ_t G ⊙ x̂: [B, *shape]."""
+        if output is not None and self.invertible:
+            weighted = (grads * output.float().reshape_as(grads)).sum(1)  # Σ_t G ⊙ y: [B, *shape]
+            if self.module.bias is not None:
+                weighted = weighted - self.module.bias.detach().float() * grad_sum
+            return weighted / self.weight.detach().float()
+        normalized = F.layer_norm(inputs.float(), self.module.normalized_shape, eps=self.module.eps)  # x̂
+        return (grads * normalized.reshape_as(grads)).sum(1)
+
+
+def _well_conditioned(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether dividing by ``weight`` after subtracting ``bias`` keeps the rounding near float precision."""
+    scale = bias.detach().abs() / 100 if bias is not None else torch.zeros_like(weight)
+    return bool(((weight.abs() > scale) & (weight != 0)).all())
 
 
 class EmbeddingRule(Rule):
@@ -239,7 +269,7 @@ class EmbeddingRule(Rule):
         self.indices: list[torch.Tensor] = []
         self.grads: list[torch.Tensor] = []
 
-    def record(self, indices: torch.Tensor, output_grad: torch.Tensor) -> None:
+    def record(self, indices: torch.Tensor, output: torch.Tensor | None, output_grad: torch.Tensor) -> None:
         batch = indices.shape[0]
         indices = indices.reshape(batch, -1)  # indices: [B, T]
         grads = output_grad.float().reshape(batch, -1, output_grad.shape[-1])  # grads: [B, T, D]
