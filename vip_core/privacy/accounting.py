@@ -12,6 +12,7 @@ Three accountants behind one interface, all of them upper bounds on the true ε:
 
 The discretisation step of PLD and the error budget of PRV scale with ε (estimated cheaply by RDP),
 so that a large ε (small σ) costs about as much as a small one; both stay upper bounds whatever the step.
+Where PRV overflows (ε in the hundreds) the RDP bound, also an upper bound, is reported instead.
 Results are memoised: a training run asks for ε at every step and calibration asks for the same
 points again.
 """
@@ -109,7 +110,12 @@ def check_arguments(*, noise_multiplier: float, sample_rate: float, steps: int, 
 
 @functools.lru_cache(maxsize=65536)
 def _memoised_epsilon(sigma: float, sample_rate: float, steps: int, delta: float, accountant: str) -> float:
-    return _EPSILON[accountant](sigma, sample_rate, steps, delta)
+    epsilon = _EPSILON[accountant](sigma, sample_rate, steps, delta)
+    if accountant != "rdp" and not math.isfinite(epsilon):  # PRV overflows when ε is in the hundreds
+        log.warning("%s accountant overflowed (sigma %g, q %g, %d steps): reporting the RDP bound", accountant,
+                    sigma, sample_rate, steps)
+        return _memoised_epsilon(sigma, sample_rate, steps, delta, "rdp")
+    return epsilon
 
 
 def _dp_sgd_event(sigma: float, sample_rate: float, steps: int):
@@ -146,7 +152,7 @@ def _prv_epsilon(sigma: float, sample_rate: float, steps: int, delta: float) -> 
     accountant.history = [(sigma, sample_rate, steps)]
     # Its domain bound uses RDP (which may warn about its order range) and log(1 - q) is -inf at q = 1:
     # both are handled, and the result stays an upper bound.
-    with warnings.catch_warnings(), np.errstate(divide="ignore", over="ignore"):
+    with warnings.catch_warnings(), np.errstate(divide="ignore", over="ignore", invalid="ignore"):
         warnings.simplefilter("ignore", UserWarning)
         return float(accountant.get_epsilon(delta, eps_error=eps_error))
 
