@@ -25,12 +25,13 @@ from flows.stages import (
     audit, evaluate, flow_tracking, ingest, local_ray, pretrain, register_encoder, render, run_fresh_if_missing,
 )
 from tasks import results, tracking
-from vip_core.config import VipConfig, tiny
+from vip_core.config import VipConfig, tiny, with_overrides
 from vip_core.env import configure_environment, state_paths
 
 FLOW_NAME = "vip-pipeline"
 EVAL_THREADS = 4
 AUDIT_CANARIES = 1000
+AUDIT_DELTA = 1e-5
 # Where each evaluation task finds its data below the ``eval_data`` folder.
 EVAL_DATA = {"linprobe": "classification", "finetune": "classification", "fewshot": "classification",
              "coco": "coco", "ade20k": "ade20k"}
@@ -54,7 +55,7 @@ def stage_folders(config: VipConfig, workdir: str, url_list: str, eval_data: str
 @flow(name=FLOW_NAME, task_runner=ThreadPoolTaskRunner(max_workers=EVAL_THREADS), log_prints=True)
 def vip_pipeline(
     config: VipConfig = tiny(), url_list: str = "", eval_data: str = "", workdir: str = "",
-    audit_canaries: int = AUDIT_CANARIES,
+    audit_canaries: int = AUDIT_CANARIES, audit_delta: float = AUDIT_DELTA,
 ) -> dict:
     """The whole ViP pipeline on one config.
 
@@ -65,6 +66,8 @@ def vip_pipeline(
             also used to decontaminate the web images.
         workdir: where the stages write; empty: ``$VIP_HOME/runs/<config.name>``.
         audit_canaries: canaries of the privacy audit run beside the evaluations; 0: no audit.
+        audit_delta: the δ the audit's recipe is calibrated at (its bound loses power as 2·canaries·δ grows,
+            so a small one rather than 1/(2N) of a small data set).
     """
     configure_environment()
     workdir = workdir or default_workdir(config)
@@ -81,8 +84,10 @@ def vip_pipeline(
         checkpoint = private.result()["checkpoint"]
         audited = None
         if audit_canaries:
-            audit_folder = f"{stage_folder(workdir, 'audit', config)}-m{audit_canaries}"
-            audited = run_fresh_if_missing(audit, audit_folder).submit(config, audit_canaries, audit_folder, parent)
+            audited_config = with_overrides(config, {"privacy.delta": audit_delta})
+            audit_folder = f"{stage_folder(workdir, 'audit', audited_config)}-m{audit_canaries}"
+            audited = run_fresh_if_missing(audit, audit_folder).submit(
+                audited_config, audit_canaries, audit_folder, parent)
         evaluations = evaluate_all(config, checkpoint, eval_data, workdir, parent)
         registered = register_encoder(checkpoint, parent)
         summary = results.summarize(
