@@ -18,8 +18,8 @@ runs a ``TorchTrainer`` whose workers each execute :func:`train_worker`:
   the stage's MLflow run.
 
 The per-step training loss of the private stage is computed on private data and is not privatized:
-the MLflow run of that stage is as sensitive as the data. So are the training checkpoints, which hold
-the random streams' states; the guarantee covers the released weights.
+the MLflow run of that stage is as sensitive as the data. So are Ray Train's checkpoints, which hold the
+random streams' states; the published ``output/checkpoint`` leaves them out.
 
 Fault injection for tests: ``VIP_INJECT_WORKER_KILL=RANK:STEP`` makes worker RANK kill its own process
 (SIGKILL) right after step STEP, once per output folder.
@@ -67,6 +67,7 @@ RESULT_FILE = "result.json"
 PLAN_FILE = "plan.json"
 RESUME_INVARIANTS = ("private", "dataset_size", "sample_rate", "noise_multiplier", "max_grad_norm", "delta", "accountant")
 FAULT_ENV = "VIP_INJECT_WORKER_KILL"
+SECRET_ENTRIES = ("sampler", "rng")
 MAX_FAILURES = 3
 CHECKPOINTS_KEPT = 2
 
@@ -271,6 +272,7 @@ def _summarise(result: Any, loop_config: dict, output: Path, stage: str, run_id:
     summary = {
         "stage": stage,
         "checkpoint": str(checkpoint),
+        "training_checkpoint": str(result.checkpoint.path),
         "steps": int(metrics["step"]),
         "epsilon": metrics.get("epsilon") if plan["private"] else None,
         "delta": plan.get("delta"),
@@ -292,10 +294,19 @@ def _summarise(result: Any, loop_config: dict, output: Path, stage: str, run_id:
 
 
 def _publish_checkpoint(source: Path, target: Path) -> Path:
-    """Copies Ray Train's checkpoint folder to ``target`` (replaced whole, never half written)."""
+    """Writes the last training checkpoint without its random streams as ``target/checkpoint.pt``.
+
+    The sampler and generator states would let anyone recompute the noise and the samples of past steps;
+    they stay in Ray Train's checkpoints (``output/ray``), which only a resume reads. ``target`` is
+    replaced whole, never half written.
+    """
+    from vip_core.models.checkpoint import CHECKPOINT_FILE, load_checkpoint
+
+    payload = {key: value for key, value in load_checkpoint(source).items() if key not in SECRET_ENTRIES}
     staging = target.with_name(target.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
-    shutil.copytree(source, staging)
+    staging.mkdir(parents=True)
+    torch.save(payload, staging / CHECKPOINT_FILE)
     if target.exists():
         shutil.rmtree(target)
     staging.rename(target)

@@ -95,13 +95,21 @@ def test_synthetic_stage_trains_on_two_workers_without_privacy(synthetic):
     assert synthetic["resumes"] == 0
 
 
-def test_checkpoint_holds_model_optimizer_and_every_ranks_streams(synthetic):
-    payload = load_checkpoint(synthetic["checkpoint"])
+def test_training_checkpoint_holds_model_optimizer_and_every_ranks_streams(synthetic):
+    payload = load_checkpoint(synthetic["training_checkpoint"])
     assert payload["stage"] == "synthetic" and payload["step"] == STEPS
     assert {"model", "config", "optimizer", "ledger", "sampler", "rng"} <= set(payload)
     assert len(payload["sampler"]) == len(payload["rng"]) == 2
     assert all(state["steps_drawn"] == STEPS for state in payload["sampler"])
     assert payload["optimizer"]["state"]  # Adam's moments, for an exact resume
+
+
+def test_published_checkpoint_leaves_the_random_streams_out(synthetic):
+    published = load_checkpoint(synthetic["checkpoint"])
+    training = load_checkpoint(synthetic["training_checkpoint"])
+    assert not {"sampler", "rng"} & set(published)
+    assert published["step"] == STEPS
+    assert all(torch.equal(published["model"][key], value) for key, value in training["model"].items())
 
 
 def test_rank0_logs_loss_lr_and_throughput_every_step(synthetic):
