@@ -1,9 +1,12 @@
 """``vip bench dp-step``: one DP-AdamW step of the MAE against the non-private step, in the same process.
 
 Four ways to take one optimiser step on the same MAE and the same batch run interleaved, round after
-round, after warm-up: ``nonprivate`` (forward, mean loss backward, AdamW), ``dp`` (this project's engine:
+round, after warm-up (one torch thread by default, which keeps the figures steady on a shared machine):
+``nonprivate`` (forward, mean loss backward, AdamW), ``dp`` (this project's engine:
 per-sample clipping, noise, DP-AdamW), ``opacus_hooks`` and ``opacus_ghost`` (opacus 1.6.0
-``GradSampleModule`` + ``DPOptimizer``, and ghost clipping). Each time is the median over the rounds.
+``GradSampleModule`` + ``DPOptimizer``, and ghost clipping). Each time is the median over the rounds, of
+wall-clock time (``*_ratio``) and of this process's CPU time (``*_cpu_ratio``, steadier when other
+processes compete for the cores).
 
 Opacus needs the MAE's cls and mask tokens out of the root module (otherwise every opacus mode falls back
 to a per-sample vmap of the whole forward, which fails on the random masking): for opacus the same
@@ -43,7 +46,10 @@ def register(bench_subparsers: Any) -> None:
     parser.add_argument("--batch", type=int, default=64, help="samples per step (default: 64)")
     parser.add_argument("--repeats", type=int, default=7, help="timed rounds of every mode (default: 7)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default: 2)")
-    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0 keeps torch's default")
+    parser.add_argument(
+        "--threads", type=int, default=1,
+        help="torch CPU threads (default: 1, steady on a shared machine); 0 keeps torch's default",
+    )
     parser.add_argument("--no-opacus", action="store_true", help="skip the two opacus modes")
     parser.add_argument("--seed", type=int, default=0)
     parser.set_defaults(handler=handle_bench_dp_step)
@@ -96,13 +102,14 @@ def _bench(preset: str, img_size: int, batch: int, repeats: int, warmup: int, op
     torch.manual_seed(seed)
     images = torch.randn(batch, 3, img_size, img_size)  # images: [B, 3, S, S]
     steps = _step_functions(config, images, opacus)
-    seconds = _interleaved_medians(steps, repeats, warmup)
+    seconds, cpu_seconds = _interleaved_medians(steps, repeats, warmup)
     peaks = {name: _peak_bytes(step, state) for name, (step, state) in steps.items()}
     result: dict[str, Any] = {
         "preset": preset, "img_size": img_size, "batch": batch, "repeats": repeats,
         "threads": torch.get_num_threads(),
         "nonprivate_s": seconds["nonprivate"], "dp_s": seconds["dp"],
         "dp_ratio": seconds["dp"] / seconds["nonprivate"],
+        "dp_cpu_ratio": cpu_seconds["dp"] / cpu_seconds["nonprivate"],
         "nonprivate_peak_mb": peaks["nonprivate"] / 2**20, "dp_peak_mb": peaks["dp"] / 2**20,
         "dp_peak_mem_ratio": peaks["dp"] / peaks["nonprivate"],
     }
@@ -110,6 +117,7 @@ def _bench(preset: str, img_size: int, batch: int, repeats: int, warmup: int, op
         if mode in seconds:
             result[f"{mode}_s"] = seconds[mode]
             result[f"{mode}_ratio"] = seconds[mode] / seconds["nonprivate"]
+            result[f"{mode}_cpu_ratio"] = cpu_seconds[mode] / cpu_seconds["nonprivate"]
             result[f"{mode}_peak_mem_ratio"] = peaks[mode] / peaks["nonprivate"]
     result["max_abs_err_vs_naive"] = naive_error(config, images[:NAIVE_SAMPLES])
     result["target_ratio"] = TARGET_RATIO
@@ -270,16 +278,23 @@ def opacus_mae(mae: Any) -> Any:
 # ------------------------------------------------------------------------------------------------ measuring
 
 
-def _interleaved_medians(steps: dict[str, tuple[Callable[[], None], list]], repeats: int, warmup: int) -> dict[str, float]:
-    """Runs the modes in turn (A, B, C, A, B, C, ...) and returns each one's median seconds per step."""
-    times: dict[str, list[float]] = {name: [] for name in steps}
+def _interleaved_medians(
+    steps: dict[str, tuple[Callable[[], None], list]], repeats: int, warmup: int
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Runs the modes in turn (A, B, C, A, B, C, ...); each one's median wall and CPU seconds per step."""
+    wall: dict[str, list[float]] = {name: [] for name in steps}
+    cpu: dict[str, list[float]] = {name: [] for name in steps}
     for round_index in range(warmup + repeats):
         for name, (step, _) in steps.items():
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             step()
             if round_index >= warmup:
-                times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in times.items()}
+                wall[name].append(time.perf_counter() - start)
+                cpu[name].append(time.process_time() - start_cpu)
+    return (
+        {name: statistics.median(values) for name, values in wall.items()},
+        {name: statistics.median(values) for name, values in cpu.items()},
+    )
 
 
 def _peak_bytes(step: Callable[[], None], held: list) -> int:
