@@ -166,7 +166,11 @@ def _start(name: str, command: list[str], env: dict[str, str], url: str, health_
             start_new_session=True,
         )
     service = Service(name=name, url=url, health_url=health_url, process=process, log_path=log_path)
-    _wait_healthy(service)
+    try:
+        _wait_healthy(service)
+    except BaseException:  # not healthy, or interrupted while waiting: never leave the server behind
+        stop(service)
+        raise
     return service
 
 
@@ -181,7 +185,6 @@ def _wait_healthy(service: Service, timeout_s: float = START_TIMEOUT_S) -> None:
         if is_healthy(service.health_url):
             return
         time.sleep(0.5)
-    stop(service)
     raise RuntimeError(f"{service.name} server not healthy after {timeout_s:.0f} s; see {service.log_path}")
 
 
@@ -200,6 +203,7 @@ def serve_ui() -> int:
     """Starts the servers that are not running yet, prints the URLs, and serves until interrupted."""
     home = configure_environment()
     started: list[Service] = []
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stop the servers on `kill` as on Ctrl-C
     try:
         if not is_healthy(prefect_health_url()):
             started.append(start_prefect_server())

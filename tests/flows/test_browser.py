@@ -76,3 +76,58 @@ def test_the_mlflow_ui_shows_epsilon_of_the_private_stage(ui_servers, private_fl
     browser.get(tracking.run_ui_url(child.info.run_id, ui_servers["mlflow"].url, tab="model-metrics"))
     wait_for_text(browser, "privacy/epsilon", "train/loss")
     browser.save_screenshot(str(artifacts_dir / "mlflow-run-charts.png"))
+
+
+@pytest.fixture(scope="module")
+def served_deployments(ui_servers, tmp_path_factory):
+    """``make serve`` against the Prefect server, as a subprocess; yields the Prefect API URL."""
+    import os
+    import subprocess
+    import sys
+
+    from tasks import services
+
+    api = f"{ui_servers['prefect'].url}/api"
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    env = {**os.environ, "PREFECT_API_URL": api}
+    command = [sys.executable, "-m", "flows.serve", "--web-port", str(services.free_port())]
+    with open(log, "wb") as output:
+        process = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield api, process, log
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+
+
+def _deployment(api: str, name: str, timeout_s: float = 300.0):
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    deadline = time.monotonic() + timeout_s
+    with temporary_settings({PREFECT_API_URL: api}), get_client(sync_client=True) as client:
+        while time.monotonic() < deadline:
+            try:
+                return client.read_deployment_by_name(name)
+            except ObjectNotFound:
+                time.sleep(2.0)
+    pytest.fail(f"deployment {name} never appeared")
+
+
+def test_a_run_started_on_a_served_deployment_runs_the_flow(served_deployments, browser, artifacts_dir):
+    from prefect.deployments import run_deployment
+
+    api, process, log = served_deployments
+    deployment = _deployment(api, "vip-render/tiny")
+    assert deployment.parameters["config"]["name"] == "tiny"
+    assert "config" in deployment.parameter_openapi_schema["properties"]
+
+    browser.get(f"{api.removesuffix('/api')}/deployments/deployment/{deployment.id}/run")
+    wait_for_text(browser, "vip-render", "config")
+    browser.save_screenshot(str(artifacts_dir / "prefect-deployment-run-form.png"))
+
+    config = with_overrides(tiny(), {"data.render.num_images": 24}).model_dump(mode="json")
+    with temporary_settings({PREFECT_API_URL: api}):
+        flow_run = run_deployment("vip-render/tiny", parameters={"config": config}, timeout=600)
+    assert flow_run.state.is_completed(), (flow_run.state, log.read_text()[-2000:])
+    assert process.poll() is None
