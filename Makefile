@@ -90,3 +90,27 @@ pretrain-dp: setup
 	$(VIP) pretrain --stage private --preset $(PRESET) --resume
 
 .PHONY: pretrain-syn pretrain-dp
+
+# `make eval [CHECKPOINT=run folder or .pt/.pth] [EVAL_DATA=folder] [EVAL_TASKS="linprobe coco"]`: each downstream
+# job on the checkpoint's encoder and, in the same run, on a random-init encoder of the same size (metrics.json
+# in $(VIP_HOME)/runs/$(PRESET)/eval/<task>). Default checkpoint: the DP stage's; default data: the offline
+# sets (digits, COCO-format and ADE20K-format shapes), made once by `vip eval-data`. `make -j` runs jobs in parallel.
+CHECKPOINT ?= $(VIP_HOME)/runs/$(PRESET)/pretrain-dp
+EVAL_DATA ?= $(VIP_HOME)/data/eval
+EVAL_TASKS ?= linprobe finetune fewshot coco ade20k
+EVAL_FOLDER_linprobe := classification
+EVAL_FOLDER_finetune := classification
+EVAL_FOLDER_fewshot := classification
+EVAL_FOLDER_coco := coco
+EVAL_FOLDER_ade20k := ade20k
+
+eval: $(addprefix eval-,$(EVAL_TASKS))
+
+$(EVAL_DATA)/.made: | setup
+	$(VIP) eval-data --preset $(PRESET) --root $(EVAL_DATA) && touch $@
+
+eval-%: setup $(EVAL_DATA)/.made
+	$(VIP) evaluate --task $* --preset $(PRESET) --checkpoint $(CHECKPOINT) --data $(EVAL_DATA)/$(EVAL_FOLDER_$*) \
+	    --output $(VIP_HOME)/runs/$(PRESET)/eval/$*
+
+.PHONY: eval

@@ -296,7 +296,7 @@ def tiny() -> VipConfig:
         synthetic=TrainingConfig(batch_size=64, steps=20, **cpu_stage),
         private=TrainingConfig(batch_size=64, steps=10, weight_decay=0.005, **cpu_stage),
         evaluation=EvaluationConfig(
-            linprobe_epochs=5, finetune_epochs=2, fewshot_seeds=2, batch_size=64,
+            linprobe_epochs=5, finetune_epochs=2, finetune_lr=0.02, fewshot_seeds=2, batch_size=64,
             detection_epochs=1, segmentation_epochs=1, linprobe_last_blocks=2,
             linprobe_optimizer="sgd", detection_img_size=64, detection_channels=32,
             segmentation_img_size=64, segmentation_channels=32, segmentation_num_classes=None,
