@@ -9,8 +9,10 @@ Prefect's result store under ``$PREFECT_HOME``: a second run with the same confi
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from prefect import task
 from prefect.artifacts import create_link_artifact
@@ -49,9 +51,20 @@ def render(config: VipConfig, output: str, parent_run_id: str | None) -> dict:
     from tasks.render import run_render
 
     with tracking.stage_run(parent_run_id, "render", config) as run_id:
-        stats = run_render(config, output)
+        stats = in_fresh_process(run_render, config, output)
         tracking.log_result(run_id, "render", stats)
     return stats
+
+
+def in_fresh_process(function: Callable[..., dict], *args: Any) -> dict:
+    """``function(*args)`` in a new (spawned) Python process; returns its result.
+
+    The renderer loads Mesa's llvmpipe (LLVM) into its process, and importing torchvision (Triton, with
+    its own LLVM) into a process that holds it crashes that process: the GL stage runs apart from the
+    flow, which goes on to train and evaluate.
+    """
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(function, *args).result()
 
 
 @task(
