@@ -233,6 +233,27 @@ def test_rule_3_every_rank_and_every_run_gets_its_own_unpredictable_streams(shar
         assert len(firsts) == len(states), f"two ranks or two runs share the {purpose} stream"
 
 
+def test_rule_3_dp_fine_tuning_noise_and_sample_are_not_a_function_of_the_public_config():
+    from torch.utils.data import TensorDataset
+
+    from vip_core.eval.finetune import DPSettings, FinetuneSettings, dp_finetune, plan_dp
+
+    data = torch.Generator().manual_seed(1)
+    images = TensorDataset(torch.randn(32, 3, 32, 32, generator=data), torch.randint(0, 3, (32,), generator=data))
+    settings = FinetuneSettings(epochs=1, lr=1e-3, batch_size=8, layer_decay=0.75)
+    dp = DPSettings(target_epsilon=8.0, delta=None, max_grad_norm=1.0, noise_multiplier=1.0, batch_size=8,
+                    physical_batch_size=8, steps=2, accountant="rdp")
+    plan = plan_dp(dp, len(images))
+    updates = []
+    for _ in range(2):
+        torch.manual_seed(123)
+        classifier = EncoderClassifier(build_encoder(get_preset("tiny").model), 3)
+        start = flat_parameters(classifier)
+        dp_finetune(classifier, images, settings, dp, plan, torch.device("cpu"))
+        updates.append(flat_parameters(classifier) - start)
+    assert not torch.equal(updates[0], updates[1]), "two DP fine-tuning runs with one config drew the same noise"
+
+
 def _two_rank_step(rank: int, init_file: str, loop_config: dict, results: dict) -> None:
     from tasks.pretrain import build_worker_state, train_step
 

@@ -14,6 +14,7 @@ unless given. This guarantee covers the fine-tuning data; pre-training data has 
 from __future__ import annotations
 
 import logging
+import secrets
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -141,10 +142,13 @@ def dp_finetune(model: EncoderClassifier, train: Dataset, settings: FinetuneSett
     """DP fine-tuning through the DP engine with the privacy ``plan`` of :func:`plan_dp` for ``train``."""
     from vip_core.privacy.engine import privatized_gradients
     from vip_core.privacy.sampling import PoissonSampler
+    from vip_core.train.data import stream_generator
 
     torch.manual_seed(settings.seed)
-    sampling_stream = torch.Generator().manual_seed(settings.seed + 1)
-    noise_stream = torch.Generator(device=device).manual_seed(settings.seed + 2)
+    # The sample and the noise must be unpredictable: fresh OS entropy, never the public config seed.
+    entropy = secrets.randbits(63)
+    sampling_stream = stream_generator(entropy, 0, "sampling")
+    noise_stream = stream_generator(entropy, 0, "noise")
     batches: Iterator[torch.Tensor] = iter(PoissonSampler(len(train), plan["sample_rate"], sampling_stream))
     optimizer, schedule = build_optimizer(model, settings, dp.batch_size, dp.steps)
     model.to(device).train()
