@@ -124,6 +124,7 @@ def run_pretrain(
         "mlflow_run_id": run_id,
         "env": _worker_environment(),
         "fault": _fault_injection(output),
+        "checkpoint_root": str((output / "ray" / STAGES[stage]).resolve()),
     }
     summary = _fit(loop_config, training, output, stage, run_id, own_run)
     return summary
@@ -359,6 +360,8 @@ def train_worker(loop_config: dict[str, Any]) -> None:
     if restored is not None:
         with restored.as_directory() as folder:
             restore_worker_state(state, folder, rank, world)
+    elif (stored := latest_stored_checkpoint(Path(loop_config["checkpoint_root"]))) is not None:
+        restore_worker_state(state, str(stored), rank, world)
     else:
         broadcast_parameters(state.model)
     metric_logger = _metric_logger(loop_config["mlflow_run_id"]) if rank == 0 else None
@@ -377,6 +380,26 @@ def train_worker(loop_config: dict[str, Any]) -> None:
             reported_at = state.step
     if reported_at != state.step:
         report_checkpoint(state, rank, world)
+
+
+def latest_stored_checkpoint(root: Path) -> Path | None:
+    """The newest complete checkpoint this run wrote under ``root``, or None.
+
+    Ray Train hands a restarted worker group the last checkpoint its controller registered; one reported
+    just before a worker died may not be registered yet. Starting such a run afresh would spend the
+    privacy budget of the steps already taken a second time, so the run's own storage is the fallback.
+    A checkpoint whose file does not load (a copy cut short) is passed over.
+    """
+    from vip_core.models.checkpoint import load_checkpoint
+
+    for folder in sorted(root.glob("checkpoint_*"), reverse=True):
+        try:
+            load_checkpoint(folder)
+        except Exception as error:  # a partial copy: torch.load raises various errors
+            log.warning("passing over checkpoint %s: %s", folder, error)
+            continue
+        return folder
+    return None
 
 
 def build_worker_state(loop_config: dict[str, Any], rank: int, world: int) -> WorkerState:
