@@ -107,13 +107,8 @@ def run(
     tags: Mapping[str, str] | None = None,
 ) -> Iterator[str]:
     """A run open for the ``with`` block: FINISHED after it, FAILED (and the error re-raised) on an error."""
-    run_id = start_run(name, config=config, parent_run_id=parent_run_id, tags=tags)
-    try:
+    with _ended_after(start_run(name, config=config, parent_run_id=parent_run_id, tags=tags)) as run_id:
         yield run_id
-    except BaseException:
-        end_run(run_id, "FAILED")
-        raise
-    end_run(run_id, "FINISHED")
 
 
 @contextlib.contextmanager
@@ -134,6 +129,13 @@ def stage_run(parent_run_id: str | None, stage: str, config: VipConfig, name: st
         run_id = start_run(name or stage, config=config, parent_run_id=parent_run_id, tags={STAGE_TAG: stage})
     else:
         client().update_run(run_id, status="RUNNING")
+    with _ended_after(run_id):
+        yield run_id
+
+
+@contextlib.contextmanager
+def _ended_after(run_id: str) -> Iterator[str]:
+    """Yields ``run_id``, then ends the run FINISHED, or FAILED (re-raising) when the block raises."""
     try:
         yield run_id
     except BaseException:
