@@ -75,8 +75,8 @@ def _evaluate(config: VipConfig, model_config: ModelConfig, task: str, checkpoin
     from vip_core.eval.jobs import prepare_job
 
     device = default_device()
-    job = prepare_job(task, data, config.evaluation, model_config, device)
     encoders = _encoders(config, model_config, checkpoint)
+    job = prepare_job(task, data, config.evaluation, model_config, device, runs=list(encoders))
     metrics: dict[str, Any] = {"task": task, "checkpoint": None if checkpoint is None else str(checkpoint),
                                "data": str(data), "device": str(device)}
     seconds = {}
@@ -87,6 +87,8 @@ def _evaluate(config: VipConfig, model_config: ModelConfig, task: str, checkpoin
         logger.info("%s on the %s encoder: %s", task, role, metrics[role])
     metrics.setdefault("baseline", None)
     metrics.update(baseline_encoder=BASELINE, seconds=seconds, note=DATA_NOTE)
+    if getattr(job, "privacy", None) is not None:  # DP fine-tuning: the runs charged to the set's ledger
+        metrics["privacy"] = job.privacy
     return metrics
 
 

@@ -1,25 +1,27 @@
 """Pre-training on Ray Train: the synthetic MAE stage (DP off) and the DP stage share one code path.
 
-:func:`run_pretrain` (the driver) measures the data set, plans the privacy budget, starts or joins Ray and
-runs a ``TorchTrainer`` whose workers each execute :func:`train_worker`:
+:func:`run_pretrain` (the driver) measures the data set, plans the privacy budget against the data set's
+ledger book (and charges it), starts or joins Ray and runs a ``TorchTrainer`` whose workers each execute
+:func:`train_worker`:
 
 * each worker owns a contiguous block of the shards (:class:`~vip_core.train.data.ShardPartition`) and
-  Poisson-samples it at rate q = B / N with its own random stream; the union over workers is a Poisson
-  sample of the whole data set at rate q, the rate the accountant is fed. The synthetic stage samples the
-  same way (DP off: plain mean loss over the realised batch, no clipping, no noise);
-* private step: clipped per-sample sums divided by the public expected batch size, the Gaussian noise
-  drawn on rank 0 only, then a SUM all-reduce (total noise std σC whatever the number of workers); every
-  rank takes the same AdamW step, and the parameters are checked bit-identical at every checkpoint;
-* every ``checkpoint_every`` steps the workers report a checkpoint to Ray Train (model, optimizer,
-  privacy ledger, every rank's sampler and random streams). When a worker dies, Ray Train replaces the
-  worker group and training resumes from the last checkpoint with the ledger (ε) carried on;
-* training stops before a step would take ε past the target;
-* rank 0 logs ``train/loss``, ``privacy/epsilon``, ``train/lr`` and ``train/images_per_s`` every step to
-  the stage's MLflow run.
+  runs :class:`~vip_core.train.step.PrivateStep` (the private stage) or :class:`~vip_core.train.step.PlainStep`
+  (the synthetic stage) on it through :func:`~vip_core.train.loop.run_steps`: Poisson sampling of the block at
+  rate q = B / N, so the union over workers is a Poisson sample of the whole data set at the q the
+  accountant is fed; clipped sums over B, the noise on rank 0 only, a SUM all-reduce;
+* every ``checkpoint_every`` steps the workers report a training checkpoint to Ray Train (model, optimiser,
+  plan, ledger, every rank's sampler and random streams), after checking that every rank holds the same
+  parameters. When a worker dies, Ray Train replaces the worker group and training resumes from the last
+  checkpoint with the ledger (ε) carried on; a resume whose plan differs from the checkpoint's is refused;
+* training stops before a step would take the data set's ε past the target;
+* rank 0 logs ``privacy/epsilon`` and ``train/lr`` every step to the stage's MLflow run, and (unless
+  ``privacy.log_private_statistics`` is off for the private stage) ``train/loss`` and ``train/images_per_s``;
+* at the end the driver settles the run's charge with the steps taken and publishes ``output/checkpoint``:
+  exactly the weights, the config, the step and the ledger (``PUBLISHED_ENTRIES``).
 
-The per-step training loss of the private stage is computed on private data and is not privatized:
-the MLflow run of that stage is as sensitive as the data. So are Ray Train's checkpoints, which hold the
-random streams' states; the published ``output/checkpoint`` leaves them out.
+The per-step loss and throughput of the private stage are computed on private data and are not
+privatized (docs/privacy.md lists every such value and where it goes). So are Ray Train's checkpoints,
+which hold the random streams' states: they stay under ``output/ray``.
 
 Fault injection for tests: ``VIP_INJECT_WORKER_KILL=RANK:STEP`` makes worker RANK kill its own process
 (SIGKILL) right after step STEP, once per output folder.
@@ -31,11 +33,10 @@ import json
 import logging
 import os
 import resource
-import secrets
 import shutil
 import signal
 import tempfile
-import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,31 +44,22 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vip_core.config import TrainingConfig, VipConfig, validate_config
-from vip_core.train.data import ShardPartition, shard_counts, stream_generator
+from vip_core.train.data import ShardPartition, measure_shards
 from vip_core.train.distributed import (
-    all_reduce_gradients,
-    all_reduce_max,
-    all_reduce_sum,
-    broadcast_parameters,
-    check_parameters_equal,
-    gather_objects,
-    rank_and_world,
-    rank_noise_multiplier,
-    trainable_parameters,
+    all_reduce_max, broadcast_parameters, check_parameters_equal, gather_objects, rank_and_world,
 )
+from vip_core.train.step import StepReport, TrainingStep
 
 if TYPE_CHECKING:
-    from vip_core.privacy.ledger import PrivacyLedger
-    from vip_core.privacy.sampling import PoissonSampler
+    from vip_core.privacy.plan import PrivacyPlan
+    from vip_core.train.data import ShardSet
 
 log = logging.getLogger(__name__)
 
 STAGES = {"synthetic": "pretrain-syn", "private": "pretrain-dp"}
 RESULT_FILE = "result.json"
 PLAN_FILE = "plan.json"
-RESUME_INVARIANTS = ("private", "dataset_size", "sample_rate", "noise_multiplier", "max_grad_norm", "delta", "accountant")
 FAULT_ENV = "VIP_INJECT_WORKER_KILL"
-SECRET_ENTRIES = ("sampler", "rng")
 MAX_FAILURES = 3
 CHECKPOINTS_KEPT = 2
 
@@ -97,8 +89,8 @@ def run_pretrain(
         mlflow_run_id: the stage's MLflow run; a new top-level run when None.
 
     Returns:
-        ``checkpoint`` (final checkpoint folder), ``steps``, ``epsilon`` (None for the synthetic stage),
-        ``images_per_s``, ``peak_rss_mb`` (largest resident set of any worker) and more.
+        ``checkpoint`` (final checkpoint folder), ``steps``, ``epsilon`` (the data set's composed ε; None for
+        the synthetic stage), ``images_per_s``, ``peak_rss_mb`` (largest resident set of any worker) and more.
     """
     training = stage_training(config, stage)
     output = Path(output)
@@ -108,17 +100,16 @@ def run_pretrain(
     continuing = (output / "ray" / STAGES[stage]).exists()
     if continuing and not resume:
         raise ValueError(f"{output} holds a {stage} run in progress: pass --resume to continue it or choose a new output")
-    shards, counts = shard_counts(data)
-    plan = _privacy_plan(config, stage, sum(counts))
+    shard_set = measure_shards(data)
     if init_checkpoint is not None:
         _check_init_checkpoint(init_checkpoint, config)
-    _keep_plan(output, plan, continuing)
+    plan = stage_plan(config, stage, shard_set, output, continuing)
     run_id, own_run = _stage_run(mlflow_run_id, config, stage, plan)
     loop_config = {
         "config": config.model_dump(mode="json"),
         "stage": stage,
-        "shards": [str(s) for s in shards],
-        "counts": counts,
+        "shards": [str(s) for s in shard_set.shards],
+        "counts": shard_set.counts,
         "plan": plan,
         "init_checkpoint": str(init_checkpoint) if init_checkpoint else None,
         "mlflow_run_id": run_id,
@@ -126,8 +117,7 @@ def run_pretrain(
         "fault": _fault_injection(output),
         "checkpoint_root": str((output / "ray" / STAGES[stage]).resolve()),
     }
-    summary = _fit(loop_config, training, output, stage, run_id, own_run)
-    return summary
+    return _fit(loop_config, training, output, stage, run_id, own_run)
 
 
 def stage_training(config: VipConfig, stage: str) -> TrainingConfig:
@@ -160,39 +150,62 @@ def finished_result(output: Path, config: VipConfig, stage: str, resume: bool) -
     return None
 
 
-def _keep_plan(output: Path, plan: dict[str, Any], continuing: bool) -> None:
-    """Records the plan of a new run; a continued run must have the same sampling and privacy settings,
-    or its ledger (σ, q, δ) would not describe the steps taken."""
-    plan_file = output / PLAN_FILE
-    if not continuing or not plan_file.is_file():
-        output.mkdir(parents=True, exist_ok=True)
-        _write_json_atomically(plan_file, plan)
-        return
-    saved = json.loads(plan_file.read_text())
-    changed = [key for key in RESUME_INVARIANTS if saved.get(key) != plan.get(key)]
-    if changed:
-        key = changed[0]
-        raise ValueError(
-            f"{output}: the run was planned with {key}={saved.get(key)}, the configuration now gives "
-            f"{plan.get(key)}; resume with the same data and privacy settings or choose a new output"
-        )
+def stage_plan(config: VipConfig, stage: str, data: "ShardSet", output: Path, continuing: bool) -> dict[str, Any]:
+    """The stage's plan for the measured data, kept in ``output/plan.json``.
 
-
-def _privacy_plan(config: VipConfig, stage: str, dataset_size: int) -> dict[str, Any]:
-    """The privacy plan for the measured ``dataset_size`` (private stage), or the sampling rate alone."""
-    training = stage_training(config, stage)
+    The private stage is planned against its data set's ledger book and charged there (its planned steps)
+    before any step is taken. A continued run keeps its run id and the other runs its plan composed with,
+    and must plan the same N, data, q, B, δ, accountant, C, σ and random mode, or its ledger would not
+    describe the steps taken: otherwise it is refused, naming the first field that differs.
+    """
+    fingerprint, dataset_size = data.fingerprint, sum(data.counts)
+    stored = _stored_plan(output) if continuing else None
+    run = stored["run"] if stored else uuid.uuid4().hex
     if is_private(config, stage):
-        from vip_core.privacy.plan import plan_privacy
+        privacy = _private_plan(config, dataset_size, fingerprint, run, stored)
+        plan = {"private": True, "run": run, "dataset_size": dataset_size, "fingerprint": fingerprint,
+                "sample_rate": privacy.sample_rate, "privacy": privacy.to_dict()}
+    else:
+        training = stage_training(config, stage)
+        if training.batch_size > dataset_size:
+            raise ValueError(f"{stage}.batch_size {training.batch_size} exceeds the {dataset_size} images in the data")
+        plan = {"private": False, "run": run, "dataset_size": dataset_size, "fingerprint": fingerprint,
+                "sample_rate": training.batch_size / dataset_size}
+        changed = next((key for key in ("dataset_size", "fingerprint", "sample_rate")
+                        if stored and stored.get(key) != plan[key]), None)
+        if changed:
+            raise ValueError(f"{output}: resume refused: the run was planned with {changed}={stored[changed]!r}, "
+                             f"the configuration now gives {plan[changed]!r}; choose a new output")
+    output.mkdir(parents=True, exist_ok=True)
+    _write_json_atomically(output / PLAN_FILE, plan)
+    return plan
 
-        plan = plan_privacy(config, dataset_size)
-        return {
-            "private": True, "dataset_size": plan.dataset_size, "sample_rate": plan.sample_rate,
-            "noise_multiplier": plan.noise_multiplier, "max_grad_norm": plan.max_grad_norm, "delta": plan.delta,
-            "target_epsilon": plan.target_epsilon, "planned_epsilon": plan.epsilon, "accountant": plan.accountant,
-        }
-    if training.batch_size > dataset_size:
-        raise ValueError(f"{stage}.batch_size {training.batch_size} exceeds the {dataset_size} images in the data")
-    return {"private": False, "dataset_size": dataset_size, "sample_rate": training.batch_size / dataset_size}
+
+def _private_plan(config: VipConfig, dataset_size: int, fingerprint: str, run: str,
+                  stored: dict[str, Any] | None) -> "PrivacyPlan":
+    """A new run is planned and charged; a continued one is planned against its original prior and checked."""
+    from vip_core.privacy.ledger import LedgerBook
+    from vip_core.privacy.plan import PrivacyPlan, plan_and_charge, plan_privacy
+
+    book = LedgerBook.for_data_set(fingerprint)
+    planning = dict(budget=config.privacy, dataset_size=dataset_size, batch_size=config.private.batch_size,
+                    steps=config.private.steps, fingerprint=fingerprint)
+    if stored is None or "privacy" not in stored:
+        return plan_and_charge(book, runs=[run], purpose=STAGES["private"], **planning)
+    original = PrivacyPlan.from_dict(stored["privacy"])
+    plan = plan_privacy(prior=original.prior, **planning)
+    mismatch = plan.mismatch(stored["privacy"])
+    if mismatch is not None:
+        raise ValueError(f"resume refused: the run was planned with {mismatch}; resume with the same data and "
+                         "privacy settings or choose a new output")
+    with book.locked():
+        book.charge(plan.charge(run, STAGES["private"]))
+    return plan
+
+
+def _stored_plan(output: Path) -> dict[str, Any] | None:
+    plan_file = output / PLAN_FILE
+    return json.loads(plan_file.read_text()) if plan_file.is_file() else None
 
 
 def _check_init_checkpoint(path: str | Path, config: VipConfig) -> None:
@@ -209,8 +222,19 @@ def _stage_run(run_id: str | None, config: VipConfig, stage: str, plan: dict[str
     own = run_id is None
     if own:
         run_id = tracking.start_run(STAGES[stage], config=config, tags={tracking.STAGE_TAG: STAGES[stage]})
-    tracking.set_tags(run_id, {f"plan.{key}": value for key, value in plan.items()})
+    tracking.set_tags(run_id, {f"plan.{key}": value for key, value in _plan_tags(plan).items()})
     return run_id, own
+
+
+# Plan entries kept out of MLflow: the data set's fingerprint is a digest of the private data (it tells data
+# sets apart exactly) and stays in plan.json and the ledger's file name; the other runs are in the ledger.
+_UNTAGGED = ("privacy", "prior", "fingerprint")
+
+
+def _plan_tags(plan: dict[str, Any]) -> dict[str, Any]:
+    """The plan as flat tags: ``dataset_size``, ``sample_rate``, and the privacy plan's scalars."""
+    merged = {**plan, **plan.get("privacy", {})}
+    return {key: value for key, value in merged.items() if key not in _UNTAGGED}
 
 
 def _worker_environment() -> dict[str, str]:
@@ -266,22 +290,25 @@ def _fit(loop_config: dict, training: TrainingConfig, output: Path, stage: str, 
 
 
 def _summarise(result: Any, loop_config: dict, output: Path, stage: str, run_id: str) -> dict[str, Any]:
-    """Publishes the last checkpoint as ``output/checkpoint`` and writes ``result.json``."""
+    """Settles the run's charge, publishes the last checkpoint as ``output/checkpoint``, writes ``result.json``."""
     checkpoint = _publish_checkpoint(Path(result.checkpoint.path), output / "checkpoint")
     metrics = dict(result.metrics)
     plan = loop_config["plan"]
+    steps = int(metrics["step"])
+    privacy = plan.get("privacy") or {}
+    if plan["private"]:
+        _settle(plan, steps)
     summary = {
         "stage": stage,
         "checkpoint": str(checkpoint),
         "training_checkpoint": str(result.checkpoint.path),
-        "steps": int(metrics["step"]),
+        "steps": steps,
         "epsilon": metrics.get("epsilon") if plan["private"] else None,
-        "delta": plan.get("delta"),
-        "noise_multiplier": plan.get("noise_multiplier"),
+        "delta": privacy.get("delta"),
+        "noise_multiplier": privacy.get("noise_multiplier"),
         "sample_rate": plan["sample_rate"],
         "dataset_size": plan["dataset_size"],
-        "loss": metrics["loss"],
-        "images_per_s": metrics["images_per_s"],
+        **{key: metrics[key] for key in ("loss", "images_per_s") if key in metrics},
         "peak_rss_mb": metrics["peak_rss_mb"],
         "workers": int(metrics["world_size"]),
         "nodes": int(metrics["nodes"]),
@@ -294,16 +321,23 @@ def _summarise(result: Any, loop_config: dict, output: Path, stage: str, run_id:
     return {key: value for key, value in summary.items() if key != "config"}
 
 
+def _settle(plan: dict[str, Any], steps: int) -> None:
+    """Sets the run's charge in its data set's book to the steps it took."""
+    from vip_core.privacy.ledger import LedgerBook
+    from vip_core.privacy.plan import PrivacyPlan, settle_charge
+
+    privacy = PrivacyPlan.from_dict(plan["privacy"])
+    settle_charge(LedgerBook.for_data_set(privacy.fingerprint), privacy, plan["run"], STAGES["private"], steps)
+
+
 def _publish_checkpoint(source: Path, target: Path) -> Path:
-    """Writes the last training checkpoint without its random streams as ``target/checkpoint.pt``.
+    """Writes the release of the last training checkpoint as ``target/checkpoint.pt``: exactly the weights,
+    the config, the step and the ledger (``PUBLISHED_ENTRIES``). ``target`` is replaced whole, never half
+    written. The optimiser, the plan and the random streams stay in Ray Train's checkpoints (``output/ray``),
+    which only a resume reads."""
+    from vip_core.models.checkpoint import CHECKPOINT_FILE, load_checkpoint, release_payload
 
-    The sampler and generator states would let anyone recompute the noise and the samples of past steps;
-    they stay in Ray Train's checkpoints (``output/ray``), which only a resume reads. ``target`` is
-    replaced whole, never half written.
-    """
-    from vip_core.models.checkpoint import CHECKPOINT_FILE, load_checkpoint
-
-    payload = {key: value for key, value in load_checkpoint(source).items() if key not in SECRET_ENTRIES}
+    payload = release_payload(load_checkpoint(source))
     staging = target.with_name(target.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
@@ -324,23 +358,15 @@ def _write_json_atomically(path: Path, payload: dict) -> None:
 
 
 @dataclass
-class WorkerState:
-    """What one worker holds between steps; everything but the data partition goes into checkpoints."""
+class WorkerRun:
+    """What one worker holds: the stage, its plan, its block of the data and its training step."""
 
     config: VipConfig
     stage: str
     plan: dict[str, Any]
     partition: ShardPartition
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    sampler: PoissonSampler
-    masking: torch.Generator
-    noise: torch.Generator
-    ledger: PrivacyLedger | None = None
-    step: int = 0
+    step: TrainingStep
     resumes: int = 0
-    stopped_by_budget: bool = False
-    last_loss: float = float("nan")
     images: float = 0.0
     seconds: float = 0.0
 
@@ -348,38 +374,68 @@ class WorkerState:
     def training(self) -> TrainingConfig:
         return stage_training(self.config, self.stage)
 
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.step.model
+
+    @property
+    def logs_private_statistics(self) -> bool:
+        """Whether values computed from the data and not privatized may leave the worker."""
+        return not self.plan["private"] or self.config.privacy.log_private_statistics
+
+    def batch(self, local: torch.Tensor, stream: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's inputs: the sampled local indices [k] and one row of masking noise per sample [k, L]."""
+        return local, stream.uniform((len(local), self.model.num_patches))
+
+    def loss(self, model: torch.nn.Module, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The MAE's per-sample loss [b] of the images at local indices ``inputs[0]`` under masks ``inputs[1]``."""
+        local, noise = inputs  # local: [b], noise: [b, L]
+        device = next(model.parameters()).device
+        imgs = self.partition.images(local).to(device)  # imgs: [b, 3, H, W]
+        return model(imgs, noise=noise.to(device))[0]  # [b]
+
+    def metrics(self, report: StepReport | None, rank: int) -> dict[str, float]:
+        """The metrics of the step just taken: step, lr, ε (private, rank 0) and, where allowed, loss and images/s."""
+        metrics: dict[str, float] = {"step": self.step.taken, "lr": self.step.optimizer.param_groups[0]["lr"]}
+        if rank == 0 and self.step.epsilon is not None:
+            metrics["epsilon"] = self.step.epsilon
+        if report is not None and self.logs_private_statistics:
+            metrics.update(loss=report.loss, images_per_s=report.examples / report.seconds)
+        return metrics
+
 
 def train_worker(loop_config: dict[str, Any]) -> None:
-    """One Ray Train worker: restore or build the state, train, report checkpoints."""
+    """One Ray Train worker: restore or build the run, train, report checkpoints."""
     import ray.train
+
+    from vip_core.train.loop import run_steps
 
     os.environ.update(loop_config["env"])
     rank, world = rank_and_world()
-    state = build_worker_state(loop_config, rank, world)
+    run = build_worker_run(loop_config, rank, world)
     restored = ray.train.get_checkpoint()
     if restored is not None:
         with restored.as_directory() as folder:
-            restore_worker_state(state, folder, rank, world)
+            restore_worker_run(run, folder, rank, world)
     elif (stored := latest_stored_checkpoint(Path(loop_config["checkpoint_root"]))) is not None:
-        restore_worker_state(state, str(stored), rank, world)
+        restore_worker_run(run, str(stored), rank, world)
     else:
-        broadcast_parameters(state.model)
-    metric_logger = _metric_logger(loop_config["mlflow_run_id"]) if rank == 0 else None
-    training = state.training
-    reported_at = -1
-    while state.step < training.steps:
-        if state.ledger is not None and not state.ledger.can_step(state.plan["target_epsilon"]):
-            state.stopped_by_budget = True
-            break
-        metrics = train_step(state, rank)
-        if metric_logger is not None:
-            metric_logger(metrics, state.step)
-        _maybe_kill(loop_config["fault"], rank, state.step)
-        if state.step % training.checkpoint_every == 0 or state.step == training.steps:
-            report_checkpoint(state, rank, world)
-            reported_at = state.step
-    if reported_at != state.step:
-        report_checkpoint(state, rank, world)
+        broadcast_parameters(run.model)
+    log_metrics = _metric_logger(loop_config["mlflow_run_id"]) if rank == 0 else None
+    last: list[StepReport] = []
+
+    def on_step(report: StepReport) -> None:
+        last[:] = [report]
+        run.images += report.examples
+        run.seconds += report.seconds
+        if log_metrics is not None:
+            log_metrics(run.metrics(report, rank), report.step)
+        _maybe_kill(loop_config["fault"], rank, report.step)
+
+    training = run.training
+    run_steps(run.step, run.batch, run.loss, until=training.steps, on_step=on_step,
+              on_checkpoint=lambda: report_checkpoint(run, last[0] if last else None, rank, world),
+              checkpoint_every=training.checkpoint_every)
 
 
 def latest_stored_checkpoint(root: Path) -> Path | None:
@@ -402,185 +458,83 @@ def latest_stored_checkpoint(root: Path) -> Path | None:
     return None
 
 
-def build_worker_state(loop_config: dict[str, Any], rank: int, world: int) -> WorkerState:
-    """A fresh state: data block, model (warm-started if asked), optimizer, sampler, ledger, streams."""
+def build_worker_run(loop_config: dict[str, Any], rank: int, world: int) -> WorkerRun:
+    """A fresh run: data block, model (warm-started if asked) and the stage's training step."""
     from vip_core.models.checkpoint import load_checkpoint
     from vip_core.models.mae import build_mae
-    from vip_core.privacy.sampling import PoissonSampler
 
     config = validate_config(loop_config["config"])
     stage, plan = loop_config["stage"], loop_config["plan"]
     training = stage_training(config, stage)
-    entropy = secrets.randbits(63) if plan["private"] else training.seed
-    torch.manual_seed(training.seed)
-    model = build_mae(config.model)
+    with torch.random.fork_rng():  # the initial weights are public: the config seed, not the global stream
+        torch.manual_seed(training.seed)
+        model = build_mae(config.model)
     if loop_config["init_checkpoint"]:
         model.load_state_dict(load_checkpoint(loop_config["init_checkpoint"])["model"])
     if training.use_gpu:
         model = model.cuda()
     partition = ShardPartition(loop_config["shards"], loop_config["counts"], rank, world, config.model.img_size)
-    sampler = PoissonSampler(len(partition), plan["sample_rate"], stream_generator(entropy, rank, "sampling"))
-    state = WorkerState(
-        config=config, stage=stage, plan=plan, partition=partition, model=model,
-        optimizer=_optimizer(model, training), sampler=sampler,
-        masking=stream_generator(entropy, rank, "masking"), noise=stream_generator(entropy, rank, "noise"),
-    )
+    return WorkerRun(config=config, stage=stage, plan=plan, partition=partition,
+                     step=_training_step(model, plan, training, len(partition)))
+
+
+def _training_step(model: torch.nn.Module, plan: dict[str, Any], training: TrainingConfig,
+                   local_size: int) -> TrainingStep:
+    """The private step of the plan, or the plain step keyed by the stage's public seed."""
+    from vip_core.privacy.plan import PrivacyPlan
+    from vip_core.train.schedule import Schedule
+    from vip_core.train.step import PlainStep, PrivateStep
+
+    options = dict(physical_batch_size=training.physical_batch_size, betas=training.betas,
+                   weight_decay=training.weight_decay)
     if plan["private"]:
-        from vip_core.privacy.ledger import PrivacyLedger
-
-        state.ledger = PrivacyLedger(plan["noise_multiplier"], plan["sample_rate"], plan["delta"], plan["accountant"])
-    return state
-
-
-def _optimizer(model: torch.nn.Module, training: TrainingConfig) -> torch.optim.Optimizer:
-    from vip_core.privacy.optimizer import dp_adamw
-
-    return dp_adamw(model, lr=training.peak_lr, betas=training.betas, weight_decay=training.weight_decay)
+        return PrivateStep(model, PrivacyPlan.from_dict(plan["privacy"]), Schedule.of(training),
+                           local_size=local_size, **options)
+    return PlainStep(model, Schedule.of(training), seed=training.seed, local_size=local_size,
+                     sample_rate=plan["sample_rate"], **options)
 
 
-def restore_worker_state(state: WorkerState, folder: str, rank: int, world: int) -> None:
-    """Loads a reported checkpoint: weights, optimizer, step, ledger, and this rank's streams."""
+def restore_worker_run(run: WorkerRun, folder: str, rank: int, world: int) -> None:
+    """Loads a reported checkpoint: weights, the step's state (ledger and plan checked), this rank's streams."""
     from vip_core.models.checkpoint import load_checkpoint
 
     payload = load_checkpoint(folder)
-    state.model.load_state_dict(payload["model"])
-    state.optimizer.load_state_dict(payload["optimizer"])
-    state.step = int(payload["step"])
-    state.resumes = int(payload["resumes"]) + 1
-    state.last_loss = float(payload["last_loss"])
-    if state.ledger is not None:
-        from vip_core.privacy.ledger import PrivacyLedger
-
-        state.ledger = PrivacyLedger.from_state_dict(payload["ledger"])
-    if len(payload["sampler"]) == world:
-        state.sampler.load_state_dict(payload["sampler"][rank])
-        state.masking.set_state(payload["rng"][rank]["masking"])
-        state.noise.set_state(payload["rng"][rank]["noise"])
-    else:
-        log.warning("checkpoint written by %d workers, now %d: fresh random streams", len(payload["sampler"]), world)
-    log.info("rank %d resumed at step %d (resume %d)", rank, state.step, state.resumes)
+    run.model.load_state_dict(payload["model"])
+    streams = payload["streams"][rank] if len(payload["streams"]) == world else None
+    if streams is None:
+        log.warning("checkpoint written by %d workers, now %d: fresh random streams", len(payload["streams"]), world)
+    run.step.load_state_dict(payload["state"], streams)
+    run.resumes = int(payload["resumes"]) + 1
+    log.info("rank %d resumed at step %d (resume %d)", rank, run.step.taken, run.resumes)
 
 
-def train_step(state: WorkerState, rank: int) -> dict[str, float]:
-    """One logical step on every rank; returns the step's metrics (identical on every rank)."""
-    from vip_core.privacy.optimizer import set_learning_rate
-    from vip_core.train.schedule import lr_at
-
-    training = state.training
-    lr = lr_at(
-        state.step, peak_lr=training.peak_lr, total_steps=training.steps, warmup_steps=training.warmup_steps,
-        min_lr=training.min_lr, schedule=training.schedule,
-    )
-    set_learning_rate(state.optimizer, lr)
-    started = time.perf_counter()
-    local = state.sampler.sample()  # local: [B_r] indices into this worker's block
-    noise = state.model.masking_noise(len(local), state.masking)  # noise: [B_r, L]
-    if state.plan["private"]:
-        loss_sum, count = _private_gradients(state, rank, local, noise)
-    else:
-        loss_sum, count = _plain_gradients(state, local, noise)
-    state.optimizer.step()
-    state.optimizer.zero_grad(set_to_none=True)
-    state.step += 1
-    if state.ledger is not None:
-        state.ledger.record_step()
-    seconds = time.perf_counter() - started
-    state.last_loss = loss_sum / max(count, 1.0)
-    state.images += count
-    state.seconds += seconds
-    return step_metrics(state, images_per_s=count / seconds)
-
-
-def _mae_loss(partition: ShardPartition):
-    def loss_fn(model: torch.nn.Module, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        local, noise = inputs  # local: [b], noise: [b, L]
-        device = next(model.parameters()).device
-        imgs = partition.images(local).to(device)  # imgs: [b, 3, H, W]
-        loss, _, _ = model(imgs, noise=noise.to(device))  # loss: [b]
-        return loss
-
-    return loss_fn
-
-
-def _private_gradients(state: WorkerState, rank: int, local: torch.Tensor, noise: torch.Tensor) -> tuple[float, float]:
-    """Clipped sums of this rank's samples plus (rank 0 only) the noise, over the expected batch; summed over ranks."""
-    from vip_core.privacy.engine import privatized_gradients
-
-    plan = state.plan
-    stats = privatized_gradients(
-        state.model, _mae_loss(state.partition), (local, noise),
-        max_grad_norm=plan["max_grad_norm"],
-        noise_multiplier=rank_noise_multiplier(plan["noise_multiplier"], rank),
-        expected_batch_size=plan["sample_rate"] * plan["dataset_size"],
-        physical_batch_size=state.training.physical_batch_size,
-        generator=state.noise,
-    )
-    all_reduce_gradients(trainable_parameters(state.model))
-    return all_reduce_sum(stats.loss_sum), all_reduce_sum(stats.examples)
-
-
-def _plain_gradients(state: WorkerState, local: torch.Tensor, noise: torch.Tensor) -> tuple[float, float]:
-    """The mean loss's gradient over the realised batch of all ranks (DP off), in microbatches."""
-    loss_fn = _mae_loss(state.partition)
-    size = state.training.physical_batch_size
-    loss_sum = 0.0
-    for local_chunk, noise_chunk in zip(torch.split(local, size), torch.split(noise, size)):
-        loss = loss_fn(state.model, (local_chunk, noise_chunk)).sum()
-        loss.backward()
-        loss_sum += loss.item()
-    params = trainable_parameters(state.model)
-    all_reduce_gradients(params)
-    count = all_reduce_sum(len(local))
-    for param in params:
-        param.grad.div_(max(count, 1.0))
-    return all_reduce_sum(loss_sum), count
-
-
-def step_metrics(state: WorkerState, images_per_s: float) -> dict[str, float]:
-    """The metrics of the step just taken: step, loss, learning rate, images/s and (private) ε."""
-    metrics = {
-        "step": state.step,
-        "loss": state.last_loss,
-        "lr": state.optimizer.param_groups[0]["lr"],
-        "images_per_s": images_per_s,
-    }
-    if state.ledger is not None:
-        metrics["epsilon"] = state.ledger.epsilon
-    return metrics
-
-
-def report_checkpoint(state: WorkerState, rank: int, world: int) -> None:
-    """Reports a checkpoint to Ray Train: rank 0 writes it with every rank's streams, after checking that
-    every rank holds the same parameters."""
+def report_checkpoint(run: WorkerRun, report: StepReport | None, rank: int, world: int) -> None:
+    """Reports a training checkpoint to Ray Train: rank 0 writes it with every rank's streams, after checking
+    that every rank holds the same parameters."""
     import ray
     import ray.train
 
-    check_parameters_equal(state.model)
-    streams = gather_objects({
-        "sampler": state.sampler.state_dict(),
-        "rng": {"masking": state.masking.get_state(), "noise": state.noise.get_state()},
-        "node": ray.get_runtime_context().get_node_id(),
-    })
+    check_parameters_equal(run.model)
+    gathered = gather_objects({"streams": run.step.stream_state(), "node": ray.get_runtime_context().get_node_id()})
     peak_rss_mb = all_reduce_max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-    average_images_per_s = state.images / state.seconds if state.seconds else 0.0
     summary = {
-        **step_metrics(state, average_images_per_s),
-        "peak_rss_mb": peak_rss_mb, "world_size": world, "nodes": len({s["node"] for s in streams}),
-        "resumes": state.resumes,
-        "stopped_by_budget": state.stopped_by_budget,
+        **run.metrics(report, rank),
+        "peak_rss_mb": peak_rss_mb, "world_size": world, "nodes": len({g["node"] for g in gathered}),
+        "resumes": run.resumes,
+        "stopped_by_budget": run.step.taken < run.training.steps and not run.step.can_step(),
     }
+    if report is not None and run.logs_private_statistics and run.seconds:
+        summary["images_per_s"] = run.images / run.seconds
     if rank != 0:
         ray.train.report(summary)
         return
     from vip_core.models.checkpoint import save_checkpoint
 
+    state = run.step.state_dict()
     with tempfile.TemporaryDirectory(prefix="vip-ckpt-") as folder:
         save_checkpoint(
-            folder, model=state.model, config=state.config, stage=state.stage, step=state.step,
-            optimizer=state.optimizer.state_dict(),
-            ledger=state.ledger.state_dict() if state.ledger is not None else None,
-            sampler=[s["sampler"] for s in streams], rng=[s["rng"] for s in streams],
-            resumes=state.resumes, plan=state.plan, last_loss=state.last_loss,
+            folder, model=run.model, config=run.config, stage=run.stage, step=run.step.taken, state=state,
+            streams=[g["streams"] for g in gathered], resumes=run.resumes,
         )
         ray.train.report(summary, checkpoint=ray.train.Checkpoint.from_directory(folder))
 

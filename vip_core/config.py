@@ -3,7 +3,8 @@
 One :class:`VipConfig` describes a whole pipeline run. It is the Prefect flow parameter (the UI renders
 it as a form) and is flattened into MLflow params by :func:`flatten`. Fields hold public hyperparameters
 only: the private dataset's size is measured at run time and enters through
-:func:`vip_core.privacy.plan.plan_privacy`, which checks the batch against it and calibrates σ.
+:func:`vip_core.privacy.plan.plan_privacy`, which checks the batch against it and calibrates σ against the
+data set's ledger.
 """
 
 from __future__ import annotations
@@ -62,14 +63,21 @@ class ModelConfig(_Frozen):
 
 
 class PrivacyConfig(_Frozen):
-    """DP-SGD settings for the private stage. σ is calibrated to ``target_epsilon`` unless given."""
+    """DP-SGD settings for the private stage. σ is calibrated to ``target_epsilon`` unless given.
+
+    ``target_epsilon`` is the budget of the private data set: every run charged to its ledger composed.
+    """
 
     enabled: bool = True
-    target_epsilon: float = Field(8.0, gt=0)
+    target_epsilon: float = Field(8.0, gt=0, description="budget of the private data set, all its runs composed")
     delta: float | None = Field(None, gt=0, lt=1, description="None: 1/(2N) for the measured N")
     max_grad_norm: float = Field(0.1, gt=0)
     noise_multiplier: float | None = Field(None, description="None: calibrated by the accountant")
     accountant: Accountant = "pld"
+    secure_mode: bool = Field(False, description="draw noise, samples and masks from the OS CSPRNG (slower)")
+    log_private_statistics: bool = Field(
+        True, description="log the per-step loss and images/s of the private stage (computed from private data, "
+                          "not privatized) to MLflow and result.json; off keeps them out of a shared server")
 
     @field_validator("noise_multiplier")
     @classmethod
@@ -172,7 +180,9 @@ class FinetunePrivacyConfig(_Frozen):
     """DP fine-tuning: the fine-tuning set is treated as private and gets its own (ε, δ) guarantee.
 
     Poisson sampling at q = batch_size / N, per-sample clipping to ``max_grad_norm``, σ calibrated to
-    ``target_epsilon`` over ``steps`` unless given; δ defaults to 1/(2N). Off by default.
+    ``target_epsilon`` over ``steps`` unless given; δ defaults to 1/(2N). Off by default. The fine-tuning
+    job trains two encoders (the checkpoint's and the random-init baseline) on the set: σ is calibrated so
+    that both runs composed, with any earlier run on the set, stay within ``target_epsilon``.
     """
 
     enabled: bool = False
@@ -184,6 +194,7 @@ class FinetunePrivacyConfig(_Frozen):
     physical_batch_size: int = Field(64, gt=0)
     steps: int = Field(100, gt=0)
     accountant: Accountant = "pld"
+    secure_mode: bool = Field(False, description="draw noise and samples from the OS CSPRNG (slower)")
 
 
 class EvaluationConfig(_Frozen):

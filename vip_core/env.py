@@ -34,7 +34,9 @@ def vip_home() -> Path:
 
 
 def state_paths(home: Path | None = None) -> dict[str, Path]:
-    """Where each component keeps its state, all below ``home``."""
+    """Where each component keeps its state, all below ``home`` but the privacy ledgers of private data sets,
+    which ``VIP_LEDGER_DIR`` may put elsewhere (a folder a team shares, so that every run on a data set is
+    charged to one ledger)."""
     home = home or vip_home()
     return {
         "home": home,
@@ -45,6 +47,7 @@ def state_paths(home: Path | None = None) -> dict[str, Path]:
         "ray": home / "ray",
         "data": home / "data",
         "runs": home / "runs",
+        "ledgers": Path(os.environ["VIP_LEDGER_DIR"]) if os.environ.get("VIP_LEDGER_DIR") else home / "ledgers",
     }
 
 

@@ -1,10 +1,12 @@
 """``vip bench dp-step``: one DP-AdamW step of the MAE against the non-private step, in the same process.
 
-Four ways to take one optimiser step on the same MAE and the same batch run interleaved, round after
+Five ways to take one optimiser step on the same MAE and the same batch run interleaved, round after
 round, after warm-up (one torch thread by default, which keeps the figures steady on a shared machine):
-``nonprivate`` (forward, mean loss backward, AdamW), ``dp`` (this project's engine:
-per-sample clipping, noise, DP-AdamW), ``opacus_hooks`` and ``opacus_ghost`` (opacus 1.6.0
-``GradSampleModule`` + ``DPOptimizer``, and ghost clipping). Each time is the median over the rounds, of
+``nonprivate`` (forward, mean loss backward, AdamW), ``dp`` (this project's private step with q = 1:
+Poisson draw, masks and noise from 128-bit-keyed streams, per-sample clipping, DP-AdamW, ledger),
+``dp_secure`` (the same in secure mode: every random number from the OS CSPRNG, four-draw Gaussian),
+``opacus_hooks`` and ``opacus_ghost`` (opacus 1.6.0 ``GradSampleModule`` + ``DPOptimizer``, and ghost
+clipping). Each time is the median over the rounds, of
 wall-clock time (``*_ratio``) and of this process's CPU time (``*_cpu_ratio``, steadier when other
 processes compete for the cores).
 
@@ -112,6 +114,8 @@ def _bench(preset: str, img_size: int, batch: int, repeats: int, warmup: int, op
         "dp_cpu_ratio": cpu_seconds["dp"] / cpu_seconds["nonprivate"],
         "nonprivate_peak_mb": peaks["nonprivate"] / 2**20, "dp_peak_mb": peaks["dp"] / 2**20,
         "dp_peak_mem_ratio": peaks["dp"] / peaks["nonprivate"],
+        "dp_secure_s": seconds["dp_secure"], "dp_secure_ratio": seconds["dp_secure"] / seconds["nonprivate"],
+        "dp_secure_cpu_ratio": cpu_seconds["dp_secure"] / cpu_seconds["nonprivate"],
     }
     for mode in ("opacus_ghost", "opacus_hooks"):
         if mode in seconds:
@@ -138,11 +142,9 @@ def _step_functions(config: Any, images: Any, opacus: bool) -> dict[str, tuple[C
     import torch
 
     from vip_core.models.mae import build_mae
-    from vip_core.privacy.engine import privatized_gradients
     from vip_core.privacy.optimizer import dp_adamw
 
     base = build_mae(config.model)
-    batch = images.shape[0]
     steps: dict[str, tuple[Callable[[], None], list]] = {}
 
     plain = copy.deepcopy(base)
@@ -155,23 +157,35 @@ def _step_functions(config: Any, images: Any, opacus: bool) -> dict[str, tuple[C
 
     steps["nonprivate"] = (nonprivate, [plain, plain_opt])
 
-    private = copy.deepcopy(base)
-    private_opt = dp_adamw(private, lr=LR)
-    generator = torch.Generator().manual_seed(1)
-
-    def dp() -> None:
-        private_opt.zero_grad(set_to_none=True)
-        privatized_gradients(
-            private, lambda model, x: model(x)[0], images, max_grad_norm=MAX_GRAD_NORM,
-            noise_multiplier=NOISE_MULTIPLIER, expected_batch_size=batch, generator=generator,
-        )
-        private_opt.step()
-
-    steps["dp"] = (dp, [private, private_opt])
+    for name, secure in (("dp", False), ("dp_secure", True)):
+        steps[name] = _private_step(base, images, secure=secure)
     if opacus:
         steps["opacus_ghost"] = _opacus_step(base, images, ghost=True)
         steps["opacus_hooks"] = _opacus_step(base, images, ghost=False)
     return steps
+
+
+def _private_step(base: Any, images: Any, *, secure: bool) -> tuple[Callable[[], None], list]:
+    """vip's private step (:class:`~vip_core.train.step.PrivateStep`) with q = 1, so that every image is in
+    every step: Poisson draw, masks and noise from its random streams, clipping, DP-AdamW, ledger."""
+    from vip_core.config import PrivacyConfig
+    from vip_core.privacy.plan import plan_privacy
+    from vip_core.train.schedule import Schedule
+    from vip_core.train.step import PrivateStep
+
+    model = copy.deepcopy(base)
+    batch = images.shape[0]
+    budget = PrivacyConfig(noise_multiplier=NOISE_MULTIPLIER, max_grad_norm=MAX_GRAD_NORM, target_epsilon=1e9,
+                           delta=1e-5, accountant="rdp", secure_mode=secure)
+    plan = plan_privacy(budget, dataset_size=batch, batch_size=batch, steps=10_000, fingerprint="bench")
+    step = PrivateStep(model, plan, Schedule(peak_lr=LR, total_steps=10_000, kind="constant"),
+                       physical_batch_size=None)
+
+    def run() -> None:
+        step(lambda local, stream: (images[local], stream.uniform((len(local), model.num_patches))),
+             lambda mae, inputs: mae(inputs[0], noise=inputs[1])[0])
+
+    return run, [model, step.optimizer]
 
 
 def _opacus_step(base: Any, images: Any, *, ghost: bool) -> tuple[Callable[[], None], list]:

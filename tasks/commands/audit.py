@@ -1,6 +1,6 @@
 """``vip audit``: a lower bound on ε from one training run with canaries (Steinke, Nasr and Jagielski, 2023).
 
-    vip audit --preset tiny --canaries 1000 --delta 1e-5 --json
+    vip audit --preset tiny --canaries 1000 --json
     {"epsilon_claimed": 8.0, "epsilon_lower_bound": 0.9, "canaries": 1000, "correct_guesses": 281, ...}
 """
 
@@ -21,7 +21,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--preset", default="tiny", help="configuration preset (default: tiny)")
     parser.add_argument("--canaries", type=_positive_int, default=1000, help="number of canaries (default 1000)")
     parser.add_argument("--target-epsilon", type=float, help="override privacy.target_epsilon")
-    parser.add_argument("--delta", type=float, help="override privacy.delta (default: the preset's, else 1/(2N))")
+    parser.add_argument("--delta", type=float,
+                        help="delta of the claim (default: the preset's privacy.delta, else 0.01/canaries, small "
+                             "enough for the bound to have power; the output says which was used)")
     parser.add_argument("--no-privacy", action="store_true", help="audit the non-private run (no noise, no clipping)")
     parser.add_argument("--output", help="folder for audit.json (default: $VIP_HOME/runs/audit/<preset>-<hash>)")
     parser.add_argument("--mlflow-run", metavar="RUN_ID", help="log into this MLflow run (default: a new run)")

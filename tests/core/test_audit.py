@@ -10,7 +10,10 @@ import pytest
 from scipy import stats
 
 from vip_core.config import get_preset, with_overrides
-from vip_core.eval.audit import audit, audit_p_value, epsilon_lower_bound, guess_and_bound
+from vip_core.eval.audit import (
+    audit, audit_p_value, default_delta, epsilon_lower_bound, guess_and_bound, train_with_canaries,
+)
+from vip_core.train.schedule import Schedule
 
 
 @pytest.mark.parametrize(
@@ -64,18 +67,32 @@ def test_perfect_guesses_give_a_large_bound_and_random_scores_a_small_one():
     assert blind.epsilon_lower_bound < 0.5
 
 
-AUDIT_CONFIG = with_overrides(get_preset("tiny"), {"privacy.delta": 1e-5})
+AUDIT_CONFIG = get_preset("tiny")  # the preset as it is: the audit's default δ must give the bound power
+
+
+def test_the_default_delta_leaves_the_bound_its_power():
+    assert AUDIT_CONFIG.privacy.delta is None
+    for canaries in (100, 1000, 100_000):
+        assert 2 * canaries * default_delta(canaries) <= 0.02
+    # The pre-training default 1/(2N) on the audit's 564 examples makes 2·m·δ exceed 1: 46 right of 50 guesses,
+    # what a private tiny run gives, then prove nothing.
+    assert epsilon_lower_bound(canaries=1000, guesses=50, correct=46, delta=1 / (2 * 564)) == 0.0
+    assert epsilon_lower_bound(canaries=1000, guesses=50, correct=46, delta=default_delta(1000)) > 1.0
 
 
 def test_audit_of_a_non_private_run_has_power():
     result = audit(with_overrides(AUDIT_CONFIG, {"privacy.enabled": False}), 1000)
     assert result["epsilon_claimed"] is None and result["noise_multiplier"] == 0.0
     assert result["epsilon_lower_bound"] >= 3.0
-    assert result["correct_guesses"] <= result["guesses"] <= 1000
+    assert result["correct_guesses"] <= result["guesses"] <= 1000 and result["delta"] == 1e-5
 
 
-def test_audit_of_a_dp_run_stays_below_the_claimed_epsilon():
-    result = audit(with_overrides(AUDIT_CONFIG, {"privacy.target_epsilon": 2.0}), 1000)
+def test_audit_of_a_dp_run_stays_below_the_claimed_epsilon_and_trains_the_recipes_schedule():
+    config = with_overrides(AUDIT_CONFIG, {"privacy.target_epsilon": 2.0})
+    run = train_with_canaries(config, 1000)
+    assert run.learning_rates == tuple(Schedule.of(config.private).lr(t) for t in range(config.private.steps))
+    assert len(set(run.learning_rates)) > 2  # the warmup and the cosine, not one constant rate
+    result = audit(config, 1000)
     assert 1.9 < result["epsilon_claimed"] <= 2.0 and result["noise_multiplier"] > 0
     assert result["epsilon_lower_bound"] <= 2.0
-    assert result["canaries"] == 1000 and result["delta"] == 1e-5
+    assert result["canaries"] == 1000 and result["delta"] == default_delta(1000)

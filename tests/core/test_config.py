@@ -65,8 +65,9 @@ def test_unknown_preset_lists_the_known_ones():
 
 def test_batch_larger_than_dataset_is_refused_naming_the_field():
     config = get_preset("vip-base-paper")
-    with pytest.raises(ConfigError, match=r"^private\.batch_size: 98304 is larger than the dataset \(50000"):
-        plan_privacy(config, 50_000)
+    with pytest.raises(ConfigError, match=r"^private\.batch_size: 98304 is larger than the data set \(50000"):
+        plan_privacy(config.privacy, dataset_size=50_000, batch_size=config.private.batch_size,
+                     steps=config.private.steps, fingerprint="data")
 
 
 def test_flatten_gives_dotted_string_params():

@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from vip_core.privacy.engine import privatized_gradients
-from vip_core.train.data import stream_generator
+from vip_core.privacy.randomness import RandomStream
 from vip_core.train.distributed import (
     all_reduce_gradients,
     all_reduce_sum,
@@ -42,7 +42,7 @@ def _noise_std(rank: int) -> float:
     privatized_gradients(
         model, _zero_loss, torch.randn(4, 64), max_grad_norm=CLIP,
         noise_multiplier=rank_noise_multiplier(SIGMA, rank), expected_batch_size=EXPECTED_BATCH,
-        generator=stream_generator(11, rank, "noise"),
+        noise=RandomStream(11, rank, "noise"),
     )
     all_reduce_gradients(model.parameters())
     grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
@@ -54,12 +54,12 @@ def _train_steps(rank: int, reduce: bool) -> list[str]:
     torch.manual_seed(0)  # the same initial parameters on every rank
     model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    data = torch.randn(6, 8, generator=stream_generator(3, rank, "sampling"))  # different per rank
+    data = RandomStream(3, rank, "sample").normal((6, 8), 1.0)  # different per rank
     fingerprints = []
     for _ in range(3):
         privatized_gradients(
             model, _square_loss, data, max_grad_norm=CLIP, noise_multiplier=rank_noise_multiplier(SIGMA, rank),
-            expected_batch_size=EXPECTED_BATCH, generator=stream_generator(5, rank, "noise"),
+            expected_batch_size=EXPECTED_BATCH, noise=RandomStream(5, rank, "noise"),
         )
         if reduce:
             all_reduce_gradients(model.parameters())

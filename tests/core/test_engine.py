@@ -14,6 +14,7 @@ from vip_core.config import get_preset
 from vip_core.models.mae import build_mae
 from vip_core.privacy import per_sample
 from vip_core.privacy.engine import UnsupportedLayerError, privatized_gradients
+from vip_core.privacy.randomness import RandomStream
 
 
 def reference_clipped_sum(model, loss_fn, inputs, max_grad_norm):
@@ -199,17 +200,16 @@ def test_a_sample_with_a_non_finite_gradient_contributes_nothing():
 def test_empty_batch_gives_noise_with_std_sigma_c_over_b():
     model = nn.Linear(100, 200)
     sigma, clip, expected = 2.0, 0.5, 4.0
-    gen = torch.Generator().manual_seed(1)
     privatized_gradients(
         model, lambda m, x: m(x).sum(-1), torch.empty(0, 100), max_grad_norm=clip, noise_multiplier=sigma,
-        expected_batch_size=expected, generator=gen,
+        expected_batch_size=expected, noise=RandomStream(1, 0, "noise"),
     )
     noise = torch.cat([model.weight.grad.flatten(), model.bias.grad])
     assert noise.std().item() == pytest.approx(sigma * clip / expected, rel=0.03)
     assert abs(noise.mean().item()) < 0.03 * sigma * clip / expected
 
 
-def test_noise_is_added_once_around_the_clipped_sum_and_follows_the_generator():
+def test_noise_is_added_once_around_the_clipped_sum_and_follows_its_stream():
     torch.manual_seed(0)
     vit, inputs = tiny_vit(), {"x": torch.randn(4, 3, 16, 16), "y": torch.randint(0, 3, (4,))}
     clean = engine_grads(vit, classification_loss, inputs, 0.05, expected=4.0)
@@ -217,7 +217,7 @@ def test_noise_is_added_once_around_the_clipped_sum_and_follows_the_generator():
     for _ in range(2):
         privatized_gradients(
             vit, classification_loss, inputs, max_grad_norm=0.05, noise_multiplier=3.0, expected_batch_size=4.0,
-            physical_batch_size=1, generator=torch.Generator().manual_seed(7),
+            physical_batch_size=1, noise=RandomStream(7, 0, "noise"),
         )
         noisy.append(torch.cat([p.grad.flatten() for p in vit.parameters()]))
     assert torch.equal(noisy[0], noisy[1])
@@ -240,7 +240,7 @@ def test_mae_masks_are_independent_per_sample_across_microbatches():
     privatized_gradients(
         mae, loss, same_image, max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=8, physical_batch_size=4
     )
-    rows = torch.cat(masks)
+    rows = torch.cat(masks[-2:])  # the two microbatches (the first call checks the model's tokens once)
     assert rows.shape == (8, 64)
     assert len({tuple(r.tolist()) for r in rows}) == 8
 
@@ -293,6 +293,37 @@ def test_unsupported_layers_raise_an_error_naming_them(model, inputs, named):
 
     with pytest.raises(UnsupportedLayerError, match=named):
         privatized_gradients(model, loss, inputs, max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=2)
+
+
+def test_noise_without_a_stream_is_refused():
+    with pytest.raises(ValueError, match="noise stream"):
+        privatized_gradients(nn.Linear(2, 1), lambda m, x: m(x).sum(-1), torch.randn(2, 2), max_grad_norm=1.0,
+                             noise_multiplier=1.0, expected_batch_size=2)
+
+
+class RowBroadcastToken(nn.Module):
+    """A ``[1, D]`` parameter added to ``[B, T, D]``: it broadcasts along the tokens, not the batch."""
+
+    def __init__(self, dim: int = 4) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+        self.offset = nn.Parameter(torch.randn(1, dim))
+
+    def forward(self, x):  # x: [B, T, D]
+        return (self.proj(x) + self.offset).square().mean((1, 2))  # [B]
+
+
+def test_a_plain_parameter_broadcast_along_tokens_is_refused_when_the_microbatch_equals_the_tokens():
+    # Batch 3 = 3 tokens: the [B, D] stand-in fits [T, D] and would silently give sample t's row to token t.
+    with pytest.raises(UnsupportedLayerError, match=r"'offset' \[1, 4\].*mix samples"):
+        privatized_gradients(RowBroadcastToken(), lambda m, x: m(x), torch.randn(3, 3, 4), max_grad_norm=1.0,
+                             noise_multiplier=0.0, expected_batch_size=3)
+
+
+def test_a_plain_parameter_broadcast_along_tokens_is_refused_by_name_when_the_shapes_clash():
+    with pytest.raises(UnsupportedLayerError, match=r"offset.*broadcast against the batch dimension only"):
+        privatized_gradients(RowBroadcastToken(), lambda m, x: m(x), torch.randn(2, 5, 4), max_grad_norm=1.0,
+                             noise_multiplier=0.0, expected_batch_size=2)
 
 
 def test_a_loss_that_is_not_per_sample_is_refused():

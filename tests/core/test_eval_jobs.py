@@ -68,8 +68,10 @@ def test_dp_finetune_reports_the_privacy_spent_within_the_target(digits):
 
 
 @pytest.mark.parametrize("private, problem", [
-    (FinetunePrivacyConfig(enabled=True, batch_size=10_000), "batch_size 10000 exceeds the 240 fine-tuning images"),
-    (FinetunePrivacyConfig(enabled=True, batch_size=32, noise_multiplier=0.1, steps=50), "above the target 8.0"),
+    (FinetunePrivacyConfig(enabled=True, batch_size=10_000),
+     r"evaluation\.finetune_privacy\.batch_size: 10000 is larger than the data set \(240 examples\)"),
+    (FinetunePrivacyConfig(enabled=True, batch_size=32, noise_multiplier=0.1, steps=50),
+     r"evaluation\.finetune_privacy\.noise_multiplier: .* above evaluation\.finetune_privacy\.target_epsilon 8\.0"),
 ])
 def test_dp_finetune_settings_that_cannot_hold_fail_before_training(digits, private, problem):
     config = tiny()

@@ -1,17 +1,21 @@
-"""The single-process private loop: budget stop, checkpoints that resume the ledger, the same q everywhere."""
+"""The training loop and the step: budget stop, checkpoints that resume the ledger and the streams, the
+same q everywhere, and the plain (DP-off) step."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
 from torch import nn
 
-from vip_core.config import get_preset, with_overrides
-from vip_core.models.checkpoint import load_checkpoint
+from vip_core.config import PrivacyConfig, get_preset
 from vip_core.models.mae import build_mae
 from vip_core.privacy.accounting import compute_epsilon
-from vip_core.privacy.plan import PrivacyPlan
-from vip_core.train.loop import build_state, mae_index_loss, train_private
+from vip_core.privacy.plan import PrivacyPlan, plan_privacy
+from vip_core.train.loop import run_steps
+from vip_core.train.schedule import Schedule
+from vip_core.train.step import PlainStep, PrivateStep
 
 DATASET = torch.randn(64, 6)
 TARGETS = torch.randn(64, 1)
@@ -21,83 +25,96 @@ def regression_loss(model: nn.Module, indices: torch.Tensor) -> torch.Tensor:
     return (model(DATASET[indices]) - TARGETS[indices]).square().sum(-1)  # [b]
 
 
+def indices_only(indices, stream):
+    return indices
+
+
 def make_plan(target_epsilon: float, sigma: float = 1.0, batch: int = 16, steps: int = 6) -> PrivacyPlan:
-    q, delta = batch / len(DATASET), 1e-3
-    epsilon = compute_epsilon(noise_multiplier=sigma, sample_rate=q, steps=steps, delta=delta, accountant="rdp")
-    return PrivacyPlan(
-        dataset_size=len(DATASET), batch_size=batch, sample_rate=q, steps=steps, delta=delta, noise_multiplier=sigma,
-        max_grad_norm=1.0, target_epsilon=target_epsilon, epsilon=epsilon, accountant="rdp",
-    )
+    budget = PrivacyConfig(noise_multiplier=sigma, target_epsilon=1e9, max_grad_norm=1.0, delta=1e-3, accountant="rdp")
+    plan = plan_privacy(budget, dataset_size=len(DATASET), batch_size=batch, steps=steps, fingerprint="regression")
+    return PrivacyPlan.from_dict({**plan.to_dict(), "target_epsilon": target_epsilon})
 
 
-def make_config(steps: int = 6, checkpoint_every: int = 2):
-    return with_overrides(
-        get_preset("tiny"),
-        {"private.steps": steps, "private.batch_size": 16, "private.physical_batch_size": 4,
-         "private.checkpoint_every": checkpoint_every, "private.warmup_steps": 1},
-    )
-
-
-def fresh_state(plan: PrivacyPlan, config, seed: int = 0):
+def private_step(plan: PrivacyPlan, seed: int = 0) -> PrivateStep:
     torch.manual_seed(seed)
-    return build_state(nn.Linear(6, 1), plan, config.private, seed=seed)
+    return PrivateStep(nn.Linear(6, 1), plan, Schedule(peak_lr=0.1, total_steps=plan.steps, warmup_steps=1),
+                       physical_batch_size=4)
 
 
 def test_the_loop_stops_before_a_step_would_pass_the_target_epsilon():
     eps_after = [compute_epsilon(noise_multiplier=1.0, sample_rate=0.25, steps=s, delta=1e-3, accountant="rdp")
                  for s in range(1, 7)]
     target = (eps_after[2] + eps_after[3]) / 2  # three steps fit, the fourth would pass it
-    config = make_config()
-    plan = make_plan(target)
-    result = train_private(fresh_state(plan, config), regression_loss, plan, config)
-    assert result.stopped_by_budget
-    assert result.steps == 3
+    step = private_step(make_plan(target))
+    reports = []
+    result = run_steps(step, indices_only, regression_loss, until=6, on_step=reports.append)
+    assert result.stopped_by_budget and result.steps == 3
     assert result.epsilon == pytest.approx(eps_after[2]) and result.epsilon <= target
-    assert [r.epsilon for r in result.reports] == pytest.approx(eps_after[:3])
+    assert [r.epsilon for r in reports] == pytest.approx(eps_after[:3])
 
 
-def test_every_checkpoint_holds_the_ledger_and_resuming_continues_it_exactly(tmp_path):
-    config, plan = make_config(steps=6, checkpoint_every=2), make_plan(target_epsilon=100.0)
-    straight = fresh_state(plan, config)
-    train_private(straight, regression_loss, plan, config)
+def test_checkpoints_come_every_period_and_at_the_end():
+    step = private_step(make_plan(100.0, steps=5))
+    taken_at = []
+    run_steps(step, indices_only, regression_loss, until=5, checkpoint_every=2,
+              on_checkpoint=lambda: taken_at.append(step.taken))
+    assert taken_at == [2, 4, 5]
 
-    def crash_at_step_five(report):
-        if report.step == 5:
-            raise KeyboardInterrupt
 
-    with pytest.raises(KeyboardInterrupt):
-        train_private(fresh_state(plan, config), regression_loss, plan, config, output=tmp_path, on_step=crash_at_step_five)
-    saved = load_checkpoint(tmp_path)
-    assert {"model", "config", "stage", "step", "optimizer", "ledger", "sampler", "rng"} <= set(saved)
-    assert saved["step"] == 4 and saved["ledger"]["steps"] == 4
-    assert saved["ledger"]["sample_rate"] == saved["sampler"]["sample_rate"] == plan.sample_rate
+def test_resuming_from_a_checkpoint_continues_the_ledger_the_streams_and_the_weights_exactly():
+    plan = make_plan(100.0)
+    first = private_step(plan)
+    run_steps(first, indices_only, regression_loss, until=4)
+    state, streams, weights = first.state_dict(), first.stream_state(), first.model.state_dict()
 
-    resumed = fresh_state(plan, config, seed=99)  # different streams: the checkpoint must restore them
-    second = train_private(resumed, regression_loss, plan, config, output=tmp_path, resume=True)
-    assert second.steps == 6 and resumed.ledger.steps == 6 and len(second.reports) == 2
-    assert second.epsilon == pytest.approx(straight.ledger.epsilon)
-    for a, b in zip(straight.model.parameters(), resumed.model.parameters()):
-        assert torch.equal(a, b)
+    def resume(with_streams: bool) -> PrivateStep:
+        step = private_step(plan, seed=99)  # fresh entropy and other weights: the checkpoint must restore both
+        step.model.load_state_dict(weights)
+        step.load_state_dict(copy.deepcopy(state), streams if with_streams else None)  # as if read from disk
+        result = run_steps(step, indices_only, regression_loss, until=6)
+        assert result.steps == 6 and step.ledger.steps == 6
+        assert result.epsilon == pytest.approx(compute_epsilon(noise_multiplier=1.0, sample_rate=0.25, steps=6,
+                                                               delta=1e-3, accountant="rdp"))
+        return step
+
+    once, twice, fresh = resume(True), resume(True), resume(False)
+    flat = [torch.cat([p.detach().reshape(-1) for p in s.model.parameters()]) for s in (once, twice, fresh)]
+    assert torch.equal(flat[0], flat[1])  # the restored streams drove the last two steps
+    assert not torch.equal(flat[0], flat[2])
 
 
 def test_sampler_and_ledger_share_the_plans_q():
-    plan = make_plan(target_epsilon=100.0)
-    state = fresh_state(plan, make_config())
-    assert state.sampler.sample_rate == state.ledger.sample_rate == plan.sample_rate
-    assert state.sampler.expected_batch_size == plan.batch_size
+    plan = make_plan(100.0)
+    step = private_step(plan)
+    assert step.sampler.sample_rate == step.ledger.sample_rate == plan.sample_rate
+    assert step.sampler.dataset_size == plan.dataset_size
 
 
-def test_mae_trains_privately_with_its_tokens_and_reports_epsilon_each_step(tmp_path):
-    config = make_config(steps=2)
+def test_mae_trains_privately_with_its_tokens_and_reports_epsilon_each_step():
+    config = get_preset("tiny")
     images = torch.randn(64, 3, 32, 32)
-    plan = make_plan(target_epsilon=100.0, steps=2)
+    plan = make_plan(100.0, steps=2)
     torch.manual_seed(0)
-    state = build_state(build_mae(config.model), plan, config.private, seed=0)
-    before = {n: p.detach().clone() for n, p in state.model.named_parameters() if p.requires_grad}
+    mae = build_mae(config.model)
+    step = PrivateStep(mae, plan, Schedule(peak_lr=1e-3, total_steps=2), physical_batch_size=8)
+    before = {n: p.detach().clone() for n, p in mae.named_parameters() if p.requires_grad}
     seen = []
-    result = train_private(
-        state, mae_index_loss(lambda idx: images[idx], state.masking), plan, config, output=tmp_path, on_step=seen.append
-    )
+    result = run_steps(step, lambda idx, stream: (idx, stream.uniform((len(idx), mae.num_patches))),
+                       lambda model, inputs: model(images[inputs[0]], noise=inputs[1])[0], until=2,
+                       on_step=seen.append)
     assert result.steps == 2 and [r.step for r in seen] == [1, 2] and all(r.epsilon > 0 for r in seen)
     for name in ("cls_token", "mask_token", "patch_embed.proj.weight", "blocks.0.norm1.weight"):
-        assert not torch.equal(before[name], dict(state.model.named_parameters())[name]), name
+        assert not torch.equal(before[name], dict(mae.named_parameters())[name]), name
+
+
+def test_the_plain_step_follows_the_mean_gradient_and_is_deterministic_for_its_seed():
+    def run() -> torch.Tensor:
+        torch.manual_seed(0)
+        model = nn.Linear(6, 1)
+        step = PlainStep(model, Schedule(peak_lr=0.1, total_steps=3), seed=5, local_size=64, sample_rate=0.25,
+                         physical_batch_size=4)
+        result = run_steps(step, indices_only, regression_loss, until=3)
+        assert result.epsilon is None and not result.stopped_by_budget
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    assert torch.equal(run(), run())

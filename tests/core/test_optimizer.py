@@ -12,6 +12,7 @@ from vip_core.config import get_preset
 from vip_core.models.mae import build_mae
 from vip_core.privacy.engine import privatized_gradients
 from vip_core.privacy.optimizer import dp_adamw, set_learning_rate
+from vip_core.privacy.randomness import RandomStream
 from vip_core.train.schedule import lr_at
 
 
@@ -60,9 +61,23 @@ def test_privatized_gradient_drives_one_adamw_step_per_logical_batch():
     before = model.weight.detach().clone()
     privatized_gradients(
         model, lambda m, x: m(x).sum(-1), torch.randn(10, 4), max_grad_norm=1.0, noise_multiplier=1.0,
-        expected_batch_size=10, physical_batch_size=3,
+        expected_batch_size=10, physical_batch_size=3, noise=RandomStream(0, 0, "noise"),
     )
     optimizer.step()
     assert optimizer.state[model.weight]["step"].item() == 1
     step = (model.weight - before).abs()
     assert torch.allclose(step, torch.full_like(step, 0.01), rtol=1e-3)  # Adam's first step is ±lr
+
+
+def test_parameter_groups_that_leave_a_trainable_parameter_out_are_refused():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    with pytest.raises(ValueError, match=r"leave out trainable parameters: 1\.weight, 1\.bias"):
+        dp_adamw(model, lr=0.1, param_groups=[{"params": list(model[0].parameters())}])
+
+
+def test_the_schedule_scales_each_group_by_its_lr_scale():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    optimizer = dp_adamw(model, lr=0.1, param_groups=[{"params": list(model[0].parameters()), "lr_scale": 0.5},
+                                                      {"params": list(model[1].parameters())}])
+    set_learning_rate(optimizer, 0.2)
+    assert [group["lr"] for group in optimizer.param_groups] == [0.1, 0.2]

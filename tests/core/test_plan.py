@@ -1,4 +1,5 @@
-"""The privacy plan: q and δ from the measured dataset size, σ calibrated, a batch larger than N refused."""
+"""The privacy plan: q and δ from the measured dataset size, σ calibrated against the data set's ledger,
+a batch larger than N refused, and the book charged before any step."""
 
 from __future__ import annotations
 
@@ -7,16 +8,22 @@ import dataclasses
 import pytest
 
 from vip_core.config import ConfigError, get_preset, with_overrides
-from vip_core.privacy.accounting import compute_epsilon
-from vip_core.privacy.plan import plan_privacy
+from vip_core.privacy.accounting import composed_epsilon, compute_epsilon
+from vip_core.privacy.ledger import Charge, LedgerBook
+from vip_core.privacy.plan import PrivacyPlan, plan_and_charge, plan_privacy
 
 PAPER_N = 233_804_767
+
+
+def stage_plan(config, dataset_size: int, **extra) -> PrivacyPlan:
+    return plan_privacy(config.privacy, dataset_size=dataset_size, batch_size=config.private.batch_size,
+                        steps=config.private.steps, fingerprint="data", **extra)
 
 
 def test_paper_preset_gets_sigma_calibrated_to_epsilon_eight_for_the_measured_size():
     config = get_preset("vip-base-paper")
     assert config.privacy.noise_multiplier is None  # not typed in
-    plan = plan_privacy(config, PAPER_N)
+    plan = stage_plan(config, PAPER_N)
     assert plan.sample_rate == pytest.approx(98_304 / PAPER_N)
     assert plan.delta == pytest.approx(1 / (2 * PAPER_N))
     assert plan.steps == 6_000 and plan.max_grad_norm == 0.1 and plan.target_epsilon == 8.0
@@ -28,7 +35,7 @@ def test_paper_preset_gets_sigma_calibrated_to_epsilon_eight_for_the_measured_si
 
 def test_a_larger_dataset_needs_less_noise():
     config = with_overrides(get_preset("tiny"), {"private.steps": 50})
-    small, large = plan_privacy(config, 1_000), plan_privacy(config, 10_000)
+    small, large = stage_plan(config, 1_000), stage_plan(config, 10_000)
     assert large.noise_multiplier < small.noise_multiplier
     assert small.epsilon <= 8.0 and large.epsilon <= 8.0
 
@@ -36,12 +43,12 @@ def test_a_larger_dataset_needs_less_noise():
 def test_batch_larger_than_dataset_fails_naming_the_field():
     config = get_preset("tiny")
     with pytest.raises(ConfigError, match=r"private\.batch_size"):
-        plan_privacy(config, config.private.batch_size - 1)
+        stage_plan(config, config.private.batch_size - 1)
 
 
 def test_configured_sigma_and_delta_are_used():
     config = with_overrides(get_preset("tiny"), {"privacy.noise_multiplier": 2.0, "privacy.delta": 1e-6})
-    plan = plan_privacy(config, 1_000)
+    plan = stage_plan(config, 1_000)
     assert plan.noise_multiplier == 2.0 and plan.delta == 1e-6
     assert plan.epsilon == compute_epsilon(noise_multiplier=2.0, sample_rate=64 / 1_000, steps=10, delta=1e-6)
 
@@ -49,12 +56,55 @@ def test_configured_sigma_and_delta_are_used():
 def test_configured_sigma_that_overspends_the_budget_is_refused():
     config = with_overrides(get_preset("tiny"), {"privacy.noise_multiplier": 0.3})
     with pytest.raises(ConfigError, match=r"privacy\.noise_multiplier"):
-        plan_privacy(config, 1_000)
+        stage_plan(config, 1_000)
 
 
-def test_plan_is_frozen_and_disabled_privacy_has_none():
-    plan = plan_privacy(get_preset("tiny"), 1_000)
+def test_plan_is_frozen_and_round_trips_through_json_ready_fields():
+    plan = stage_plan(get_preset("tiny"), 1_000, prior=[Charge("r", 1.0, 0.1, 3, "pretrain-dp")])
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.noise_multiplier = 0.0
-    with pytest.raises(ConfigError, match=r"privacy\.enabled"):
-        plan_privacy(with_overrides(get_preset("tiny"), {"privacy.enabled": False}), 1_000)
+    assert PrivacyPlan.from_dict(plan.to_dict()) == plan
+
+
+def test_earlier_runs_on_the_data_set_are_composed_and_leave_less_budget():
+    config = get_preset("tiny")
+    first = stage_plan(with_overrides(config, {"privacy.target_epsilon": 4.0}), 1_000)
+    second = stage_plan(config, 1_000, prior=[first.charge("first", "pretrain-dp")])
+    alone = stage_plan(config, 1_000)
+    assert second.noise_multiplier > alone.noise_multiplier
+    composed = composed_epsilon([(first.noise_multiplier, first.sample_rate, first.steps),
+                                 (second.noise_multiplier, second.sample_rate, second.steps)],
+                                delta=second.delta, accountant=second.accountant)
+    assert second.epsilon == pytest.approx(composed) and composed <= 8.0
+
+
+def test_a_spent_budget_is_refused_naming_the_field_and_the_runs_that_spent_it():
+    config = get_preset("tiny")
+    spent = Charge("old-run", 0.2, 0.5, 500, "pretrain-dp")
+    with pytest.raises(ConfigError, match=r"privacy\.target_epsilon: 8.0 cannot be met.*pretrain-dp old-run"):
+        stage_plan(config, 1_000, prior=[spent])
+
+
+def test_several_runs_of_one_plan_are_calibrated_to_compose_within_the_target():
+    private = with_overrides(get_preset("tiny"), {"evaluation.finetune_privacy.enabled": True}).evaluation.finetune_privacy
+    n = 1_281_167  # ImageNet-1K: one run calibrated alone and charged twice would compose above the target
+    one = plan_privacy(private, dataset_size=n, batch_size=private.batch_size, steps=private.steps, fingerprint="in")
+    two = plan_privacy(private, dataset_size=n, batch_size=private.batch_size, steps=private.steps, fingerprint="in",
+                       runs=2)
+    twice_one = compute_epsilon(noise_multiplier=one.noise_multiplier, sample_rate=one.sample_rate,
+                                steps=2 * one.steps, delta=one.delta, accountant=one.accountant)
+    assert twice_one > private.target_epsilon  # what reporting one run's ε would hide
+    assert two.epsilon <= private.target_epsilon and two.noise_multiplier > one.noise_multiplier
+
+
+def test_plan_and_charge_charges_the_planned_steps_of_every_run(tmp_path):
+    book = LedgerBook.for_data_set("data", home=tmp_path)
+    config = get_preset("tiny")
+    planning = dict(dataset_size=1_000, batch_size=64, steps=10, fingerprint="data")
+    half = config.privacy.model_copy(update={"target_epsilon": 4.0})
+    plan = plan_and_charge(book, runs=["a", "b"], purpose="dp-finetune", budget=half, **planning)
+    assert [(c.run, c.steps, c.noise_multiplier) for c in book.charges()] == [
+        ("a", 10, plan.noise_multiplier), ("b", 10, plan.noise_multiplier)]
+    again = plan_and_charge(book, runs=["c"], purpose="pretrain-dp", budget=config.privacy, **planning)
+    assert {c.run for c in again.prior} == {"a", "b"} and len(book.charges()) == 3
+    assert book.epsilon(delta=again.delta, accountant=again.accountant) <= 8.0

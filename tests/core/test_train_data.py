@@ -1,4 +1,4 @@
-"""Shard-backed training data: measured size, disjoint per-worker blocks, decoding, independent streams."""
+"""Shard-backed training data: measured size, disjoint per-worker blocks, decoding, and the data set's fingerprint."""
 
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ from vip_core.train.data import (
     decode_image,
     microbatches,
     partition_range,
-    shard_counts,
-    stream_generator,
+    measure_shards,
 )
 
 IMG = 16
@@ -37,19 +36,19 @@ def shard_folder(tmp_path_factory):
 
 
 def test_dataset_size_is_counted_from_the_shards(shard_folder):
-    shards, counts = shard_counts(shard_folder)
+    shards, counts, _ = measure_shards(shard_folder)
     assert [p.name for p in shards] == ["img-000000.tar", "img-000001.tar", "img-000002.tar"]
     assert counts == [4, 4, 3]
 
 
 def test_empty_folder_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no shards"):
-        shard_counts(tmp_path)
+        measure_shards(tmp_path)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_worker_blocks_are_disjoint_and_cover_every_sample_once(shard_folder, world_size):
-    shards, counts = shard_counts(shard_folder)
+    shards, counts, _ = measure_shards(shard_folder)
     owned = []
     for rank in range(world_size):
         part = ShardPartition(shards, counts, rank, world_size, IMG)
@@ -58,7 +57,7 @@ def test_worker_blocks_are_disjoint_and_cover_every_sample_once(shard_folder, wo
 
 
 def test_a_worker_reads_only_the_shards_of_its_block(shard_folder):
-    shards, counts = shard_counts(shard_folder)
+    shards, counts, _ = measure_shards(shard_folder)
     first = ShardPartition(shards, counts, 0, 3, IMG)  # global 0..2: shard 0 only
     last = ShardPartition(shards, counts, 2, 3, IMG)  # global 7..10: shards 1 and 2
     assert [p.name for p in first.shard_files] == ["img-000000.tar"]
@@ -66,7 +65,7 @@ def test_a_worker_reads_only_the_shards_of_its_block(shard_folder):
 
 
 def test_images_are_the_shards_images_decoded_in_global_order(shard_folder):
-    shards, counts = shard_counts(shard_folder)
+    shards, counts, _ = measure_shards(shard_folder)
     samples = list(iter_samples(list_shards(shard_folder)))
     part = ShardPartition(shards, counts, 1, 2, IMG)  # global 5..10
     local = torch.tensor([0, 3, 1])
@@ -86,7 +85,7 @@ def test_decoding_resizes_to_the_model_size_and_normalises():
 
 
 def test_an_empty_sample_gives_an_empty_batch(shard_folder):
-    shards, counts = shard_counts(shard_folder)
+    shards, counts, _ = measure_shards(shard_folder)
     assert ShardPartition(shards, counts, 0, 1, IMG).images(torch.empty(0, dtype=torch.long)).shape == (0, 3, IMG, IMG)
 
 
@@ -95,24 +94,15 @@ def test_more_workers_than_samples_is_refused():
         partition_range(3, 0, 4)
 
 
-def test_streams_are_reproducible_per_rank_and_purpose():
-    a = torch.rand(5, generator=stream_generator(1234, 1, "sampling"))
-    b = torch.rand(5, generator=stream_generator(1234, 1, "sampling"))
-    assert torch.equal(a, b)
-
-
-def test_ranks_poisson_draws_are_independent_not_seeded_alike():
-    draws = [torch.rand(20_000, generator=stream_generator(7, rank, "sampling")) < 0.5 for rank in range(2)]
-    agreement = (draws[0] == draws[1]).float().mean().item()
-    # Independent fair coins agree half the time (std 0.0035); streams seeded alike would agree always.
-    assert abs(agreement - 0.5) < 0.02
-    masking = torch.rand(20_000, generator=stream_generator(7, 0, "masking")) < 0.5
-    assert abs((masking == draws[0]).float().mean().item() - 0.5) < 0.02
-
-
-def test_unknown_stream_purpose_is_refused():
-    with pytest.raises(ValueError, match="unknown random stream"):
-        stream_generator(0, 0, "dropout")
+def test_the_fingerprint_tells_apart_data_sets_of_the_same_size_and_shard_names(shard_folder, tmp_path):
+    other = tmp_path / "other"
+    with ShardWriter(other, prefix="img", samples_per_shard=4) as writer:  # same names and counts, other images
+        for i in range(11):
+            writer.write(f"{i:05d}", {"png": encode_image(_image(100 + i, (IMG + 1, IMG)), "png"), "json": {"index": i}})
+    first, second = measure_shards(shard_folder), measure_shards(other)
+    assert [p.name for p in first.shards] == [p.name for p in second.shards] and first.counts == second.counts
+    assert first.fingerprint == measure_shards(shard_folder).fingerprint
+    assert first.fingerprint != second.fingerprint
 
 
 def test_microbatches_split_a_logical_batch_in_order():
@@ -129,7 +119,7 @@ def test_parquet_shards_are_read_like_tars_and_null_images_skipped(tmp_path):
     table = pa.table({"key": [f"{i:05d}" for i in range(7)], "jpg": pa.array(payloads, type=pa.binary())})
     pq.write_table(table, tmp_path / "part-00000.parquet", row_group_size=3)
     pq.write_table(table.slice(0, 2), tmp_path / "part-00001.parquet")
-    shards, counts = shard_counts(tmp_path)
+    shards, counts, _ = measure_shards(tmp_path)
     assert counts == [6, 2]
     expected = [p for p in payloads if p is not None] + payloads[:2]
     for rank in range(2):
@@ -145,4 +135,4 @@ def test_parquet_without_an_image_column_is_a_clear_error(tmp_path):
 
     pq.write_table(pa.table({"url": ["http://127.0.0.1/a.jpg"]}), tmp_path / "urls.parquet")
     with pytest.raises(ValueError, match="has no image column"):
-        shard_counts(tmp_path)
+        measure_shards(tmp_path)

@@ -16,7 +16,7 @@ from PIL import Image
 from tasks.cli import main
 from vip_core.config import get_preset, with_overrides
 from vip_core.data.shards import ShardWriter, encode_image
-from vip_core.models.checkpoint import load_checkpoint
+from vip_core.models.checkpoint import PUBLISHED_ENTRIES, load_checkpoint
 from vip_core.models.mae import build_mae
 from vip_core.privacy.accounting import compute_epsilon
 
@@ -98,18 +98,20 @@ def test_synthetic_stage_trains_on_two_workers_without_privacy(synthetic):
 def test_training_checkpoint_holds_model_optimizer_and_every_ranks_streams(synthetic):
     payload = load_checkpoint(synthetic["training_checkpoint"])
     assert payload["stage"] == "synthetic" and payload["step"] == STEPS
-    assert {"model", "config", "optimizer", "ledger", "sampler", "rng"} <= set(payload)
-    assert len(payload["sampler"]) == len(payload["rng"]) == 2
-    assert all(state["steps_drawn"] == STEPS for state in payload["sampler"])
-    assert payload["optimizer"]["state"]  # Adam's moments, for an exact resume
+    assert {"model", "config", "state", "streams", "resumes"} <= set(payload)
+    assert len(payload["streams"]) == 2
+    assert all(rank["sampler"]["steps_drawn"] == STEPS for rank in payload["streams"])
+    assert payload["state"]["optimizer"]["state"]  # Adam's moments, for an exact resume
 
 
-def test_published_checkpoint_leaves_the_random_streams_out(synthetic):
-    published = load_checkpoint(synthetic["checkpoint"])
-    training = load_checkpoint(synthetic["training_checkpoint"])
-    assert not {"sampler", "rng"} & set(published)
-    assert published["step"] == STEPS
-    assert all(torch.equal(published["model"][key], value) for key, value in training["model"].items())
+def test_published_checkpoint_holds_the_allow_list_only(synthetic, private):
+    for stage in (synthetic, private):
+        published = load_checkpoint(stage["checkpoint"])
+        training = load_checkpoint(stage["training_checkpoint"])
+        assert tuple(published) == PUBLISHED_ENTRIES  # weights, config, step, ledger: no streams, no loss
+        assert published["step"] == STEPS
+        assert all(torch.equal(published["model"][key], value) for key, value in training["model"].items())
+    assert load_checkpoint(synthetic["checkpoint"])["ledger"] is None
 
 
 def test_rank0_logs_loss_lr_and_throughput_every_step(synthetic):
@@ -133,6 +135,30 @@ def test_private_stage_spends_the_planned_epsilon_and_logs_it_every_step(private
     assert math.isclose(history[-1][1], private["epsilon"])
     ledger = load_checkpoint(private["checkpoint"])["ledger"]
     assert ledger["steps"] == STEPS and ledger["noise_multiplier"] == private["noise_multiplier"]
+    assert ledger["epsilon"] == pytest.approx(private["epsilon"]) and ledger["composed_with"] == []
+
+
+def test_a_private_run_is_charged_to_its_data_sets_ledger_and_composed_with_earlier_runs(local_ray, shards, tmp_path):
+    from tasks.pretrain import run_pretrain
+    from vip_core.privacy.ledger import Charge, LedgerBook
+    from vip_core.train.data import measure_shards
+
+    book = LedgerBook.for_data_set(measure_shards(shards).fingerprint)
+    with book.locked():
+        book.charge(Charge("an-earlier-run", 2.0, 0.25, 10, "dp-finetune"))
+    config = with_overrides(_private_config(), {"private.steps": 2, "privacy.log_private_statistics": False})
+    result = run_pretrain(config, "private", shards, tmp_path / "out")
+    alone = compute_epsilon(noise_multiplier=result["noise_multiplier"], sample_rate=result["sample_rate"], steps=2,
+                            delta=result["delta"])
+    composed = book.epsilon(delta=result["delta"], accountant="pld")
+    assert result["epsilon"] == pytest.approx(composed) and composed > alone and composed <= 8.0
+    ours = [c for c in book.charges() if c.run != "an-earlier-run"]
+    assert len(ours) == 1 and ours[0].steps == 2 and ours[0].purpose == "pretrain-dp"
+    # The switch keeps the values computed from private data and not privatized out of MLflow and result.json.
+    assert _metric(result["mlflow_run_id"], "train/loss") == []
+    assert _metric(result["mlflow_run_id"], "train/images_per_s") == []
+    assert len(_metric(result["mlflow_run_id"], "privacy/epsilon")) == 2
+    assert "loss" not in result and "images_per_s" not in result
 
 
 def test_private_stage_starts_from_the_synthetic_weights(synthetic, private):

@@ -48,7 +48,9 @@ def uninterrupted(local_ray, shards, tmp_path_factory):
     from tasks.pretrain import run_pretrain
 
     output = tmp_path_factory.mktemp("whole") / "out"
-    return output, run_pretrain(_config(), "private", shards, output)
+    with pytest.MonkeyPatch.context() as patch:  # a ledger of its own: the killed run is the same run again
+        patch.setenv("VIP_LEDGER_DIR", str(tmp_path_factory.mktemp("ledgers")))
+        return output, run_pretrain(_config(), "private", shards, output)
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +98,7 @@ def test_resuming_with_other_privacy_settings_is_refused(uninterrupted, shards):
     from tasks.pretrain import run_pretrain
 
     output, _ = uninterrupted
-    with pytest.raises(ValueError, match="planned with sample_rate"):
+    with pytest.raises(ValueError, match="resume refused: the run was planned with batch_size"):
         run_pretrain(_config(**{"private.batch_size": 32}), "private", shards, output, resume=True)
 
 

@@ -11,11 +11,16 @@ confidence is the lower bound (their ``get_eps_audit``).
 The canaries here are white-box gradient canaries ("Dirac" canaries, their Section 7): the audited model
 gets an extra plain parameter ``canary_probe [1, m]``, and canary i is an example whose loss is
 ``C · probe[i]``, so its gradient is C on coordinate i and 0 elsewhere, exactly the clipping bound.
-Ordinary examples (random images for the MAE) never touch the probe. Training runs the real model with
-the real DP engine (per-sample clipping over all parameters, Gaussian noise, Poisson sampling, division by
-the public expected batch size), and canary i's score is the sum over steps of the privatized gradient's
-coordinate i: what an adversary who sees the noisy gradients (which DP-SGD's guarantee covers) observes.
-Input-space canaries for an MAE trained for a few steps have no power; these have the most.
+Ordinary examples (random images for the MAE) never touch the probe. Training runs the private stage's
+recipe through the step pre-training runs (:class:`~vip_core.train.step.PrivateStep`: Poisson sampling,
+per-sample clipping over all parameters, Gaussian noise once per step, division by the public expected
+batch size, DP-AdamW and its learning-rate schedule, fresh OS entropy), and canary i's score is the sum
+over steps of the privatized gradient's coordinate i: what an adversary who sees the noisy gradients
+(which DP-SGD's guarantee covers) observes. Input-space canaries for an MAE trained for a few steps have
+no power; these have the most.
+
+The bound adds 2·m·δ to every p-value, so it needs a small δ: the audit claims its ε at
+:func:`default_delta` (0.01 / m) unless told otherwise, and σ is planned for that δ.
 """
 
 from __future__ import annotations
@@ -170,16 +175,19 @@ class CanaryAuditModel(nn.Module):
         self.scale = scale
 
 
-def ordinary_loss(model: CanaryAuditModel, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The MAE's per-sample loss [b] of ordinary ``images [b, C, H, W]`` masked by ``noise [b, L]``."""
-    return model.backbone(inputs["images"], noise=inputs["noise"])[0]
+def canary_audit_loss(model: CanaryAuditModel, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Per-sample losses [b] of a batch mixing ordinary examples and canaries.
 
-
-def canary_loss(model: CanaryAuditModel, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-    """``scale · probe[i]`` [c] for canary ids ``canary [c]``: gradient ``scale`` on coordinate i, 0 elsewhere."""
-    canary = inputs["canary"]  # canary: [c]
-    probe = model.canary_probe.expand(len(canary), -1)  # probe: [c, m] (the engine's per-sample stand-in)
-    return model.scale * probe.gather(1, canary[:, None])[:, 0]  # [c]
+    Row i is canary ``inputs["canary"][i]`` when that is >= 0: its loss is ``scale · probe[canary]``, whose
+    gradient is ``scale`` on that coordinate of the probe and 0 elsewhere. Otherwise it is an ordinary
+    example, whose loss is the MAE's on ``inputs["images"][i]`` masked by ``inputs["noise"][i]``. ``where``
+    gives each row the gradient of its own kind only.
+    """
+    canary = inputs["canary"]  # canary: [b], -1 for ordinary rows
+    probe = model.canary_probe.expand(len(canary), -1)  # probe: [b, m] (the engine's per-sample stand-in)
+    canary_losses = model.scale * probe.gather(1, canary.clamp(min=0)[:, None])[:, 0]  # [b]
+    mae_losses = model.backbone(inputs["images"], noise=inputs["noise"])[0]  # [b]
+    return torch.where(canary >= 0, canary_losses, mae_losses)  # [b]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,6 +203,7 @@ class CanaryRun:
         noise_multiplier: σ (0: a non-private run, no noise and no clipping).
         delta: δ of the run's privacy claim.
         epsilon_claimed: the accountant's ε (``math.inf`` for a non-private run).
+        learning_rates: the rate of every step (the private stage's schedule).
     """
 
     scores: np.ndarray
@@ -205,61 +214,84 @@ class CanaryRun:
     noise_multiplier: float
     delta: float
     epsilon_claimed: float
+    learning_rates: tuple[float, ...]
 
 
-def train_with_canaries(config: VipConfig, canaries: int, *, ordinary: int | None = None, seed: int = 0) -> CanaryRun:
-    """Trains ``config``'s MAE with its private-stage settings on ordinary examples plus a random half of
+def default_delta(canaries: int) -> float:
+    """δ at which an audit of ``canaries`` canaries has power: its bound adds 2·m·δ to every p-value, so
+    δ = 0.01 / m keeps that term at 0.02 (the private stage's 1/(2N) on a small data set makes it exceed 1)."""
+    return 0.01 / canaries
+
+
+def train_with_canaries(config: VipConfig, canaries: int, *, ordinary: int | None = None, seed: int = 0,
+                        delta: float | None = None) -> CanaryRun:
+    """Trains ``config``'s MAE with its private-stage recipe on ordinary examples plus a random half of
     ``canaries`` canaries, and scores every canary.
 
-    With ``config.privacy.enabled`` the run is DP-SGD through :func:`vip_core.privacy.engine.privatized_gradients`
-    with σ from :func:`vip_core.privacy.plan.plan_privacy` for the audit's public dataset size; without it,
-    plain gradients (no clipping, no noise), as non-private pre-training computes them.
+    The recipe is the private stage's own: with ``config.privacy.enabled`` the run is
+    :class:`~vip_core.train.step.PrivateStep` (the step pre-training runs: Poisson sampling, per-sample
+    clipping, noise once, DP-AdamW and its learning-rate schedule) with σ planned by
+    :func:`~vip_core.privacy.plan.plan_privacy` for the audit's public data set at ``delta``; without it,
+    :class:`~vip_core.train.step.PlainStep` (plain gradients, as non-private pre-training computes them).
 
     Args:
         config: the run's configuration (model, ``private`` stage, ``privacy``).
         canaries: m >= 2.
         ordinary: ordinary examples (random images); the private batch size when None.
-        seed: seeds the inclusion draw, the ordinary images, sampling, masks and noise.
+        seed: seeds the audit's design (which canaries are included, the ordinary images, the initial
+            weights); the training streams of a private run draw fresh OS entropy, as in pre-training.
+        delta: δ of the claim; ``config.privacy.delta`` when None, else :func:`default_delta`.
     """
     from vip_core.models.mae import build_mae
+    from vip_core.train.loop import run_steps
 
     if canaries < 2:
         raise ValueError(f"canaries must be >= 2, got {canaries}")
     training = config.private
     ordinary = training.batch_size if ordinary is None else ordinary
     public_size = canaries // 2 + ordinary
-    streams = _Streams(seed)
-    included = torch.rand(canaries, generator=streams.inclusion) < 0.5  # included: [m]
+    if delta is None:
+        delta = config.privacy.delta if config.privacy.delta is not None else default_delta(canaries)
+    design = torch.Generator().manual_seed(seed)
+    included = torch.rand(canaries, generator=design) < 0.5  # included: [m]
     members = torch.nonzero(included).squeeze(1)  # members: [k] canary ids in the training set
     with torch.random.fork_rng():  # the MAE's initialisation draws from the global stream: leave it as it was
         torch.manual_seed(seed)
         model = CanaryAuditModel(build_mae(config.model), canaries, scale=config.privacy.max_grad_norm)
-    sample_rate, sigma, delta, epsilon = _privacy_claim(config, public_size)
-    dataset = _AuditDataset(members, ordinary, config, streams.images)
-    scores = _train(model, dataset, config, sample_rate, sigma, streams)
-    return CanaryRun(scores.numpy(), included.numpy(), public_size, sample_rate, training.steps, sigma, delta, epsilon)
+    dataset = _AuditDataset(members, ordinary, config, design)
+    step, epsilon = _audit_step(model, config, public_size, delta, seed)
+    scores = torch.zeros(canaries)  # scores: [m]
+
+    def observe(audited: nn.Module) -> None:
+        scores.add_(audited.canary_probe.grad[0].detach())
+
+    rates: list[float] = []
+    run_steps(step, dataset.batch, canary_audit_loss, until=training.steps, observe=observe,
+              on_step=lambda report: rates.append(report.lr))
+    sigma = step.plan.noise_multiplier if config.privacy.enabled else 0.0
+    return CanaryRun(scores.numpy(), included.numpy(), public_size, step.sampler.sample_rate, len(rates), sigma,
+                     delta, epsilon, tuple(rates))
 
 
-def _privacy_claim(config: VipConfig, public_size: int) -> tuple[float, float, float, float]:
-    """(q, σ, δ, ε) for the audit's public dataset size; σ = 0 and ε = ∞ without privacy."""
+def _audit_step(model: nn.Module, config: VipConfig, public_size: int, delta: float, seed: int):
+    """The private stage's step for the audit's public data set at ``delta``, and the ε it claims."""
     from vip_core.privacy.plan import plan_privacy
+    from vip_core.train.schedule import Schedule
+    from vip_core.train.step import PlainStep, PrivateStep
 
-    if config.privacy.enabled:
-        plan = plan_privacy(config, public_size)
-        return plan.sample_rate, plan.noise_multiplier, plan.delta, plan.epsilon
-    if config.private.batch_size > public_size:
-        raise ConfigError(f"private.batch_size: {config.private.batch_size} is larger than the audit set ({public_size})")
-    delta = config.privacy.delta if config.privacy.delta is not None else 1.0 / (2 * public_size)
-    return config.private.batch_size / public_size, 0.0, delta, math.inf
-
-
-class _Streams:
-    """Independent random streams of one audit run, all derived from its seed."""
-
-    def __init__(self, seed: int) -> None:
-        self.inclusion, self.images, self.sampling, self.masking, self.noise = (
-            torch.Generator().manual_seed(seed * 7919 + offset) for offset in range(5)
-        )
+    training = config.private
+    options = dict(physical_batch_size=training.physical_batch_size, betas=training.betas,
+                   weight_decay=training.weight_decay)
+    if training.batch_size > public_size:
+        raise ConfigError(f"private.batch_size: {training.batch_size} is larger than the audit set ({public_size})")
+    if not config.privacy.enabled:
+        step = PlainStep(model, Schedule.of(training), seed=seed, local_size=public_size,
+                         sample_rate=training.batch_size / public_size, **options)
+        return step, math.inf
+    budget = config.privacy.model_copy(update={"delta": delta})
+    plan = plan_privacy(budget, dataset_size=public_size, batch_size=training.batch_size, steps=training.steps,
+                        fingerprint="audit-canaries")
+    return PrivateStep(model, plan, Schedule.of(training), **options), plan.epsilon
 
 
 class _AuditDataset:
@@ -269,84 +301,36 @@ class _AuditDataset:
         self.members = members  # members: [k]
         self.ordinary = ordinary
         self.shape = (config.model.in_chans, config.model.img_size, config.model.img_size)
+        self.num_patches = config.model.num_patches
         self.image_seed = int(torch.randint(0, 2**62, (1,), generator=generator))
 
     def __len__(self) -> int:
         return len(self.members) + self.ordinary
 
-    def batch(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The canary ids [c] and the ordinary images [o, C, H, W] among dataset ``rows`` [c + o]."""
+    def batch(self, rows: torch.Tensor, stream: Any) -> dict[str, torch.Tensor]:
+        """The step's inputs for dataset ``rows`` [b]: canary ids (-1 for ordinary rows), images (zeros for
+        canary rows) and one row of masking noise per sample."""
         k = len(self.members)
-        canary = self.members[rows[rows < k]]  # canary: [c]
+        is_canary = rows < k  # [b]
+        canary = torch.full((len(rows),), -1, dtype=torch.long)  # canary: [b]
+        canary[is_canary] = self.members[rows[is_canary]]
         images = torch.stack([
-            torch.rand(self.shape, generator=torch.Generator().manual_seed(self.image_seed + row))
-            for row in rows[rows >= k].tolist()
-        ]) if bool((rows >= k).any()) else torch.zeros(0, *self.shape)  # images: [o, C, H, W]
-        return canary, images
+            torch.zeros(self.shape) if int(row) < k
+            else torch.rand(self.shape, generator=torch.Generator().manual_seed(self.image_seed + int(row)))
+            for row in rows
+        ]) if len(rows) else torch.zeros(0, *self.shape)  # images: [b, C, H, W]
+        return {"canary": canary, "images": images, "noise": stream.uniform((len(rows), self.num_patches))}
 
 
-def _train(
-    model: CanaryAuditModel, dataset: _AuditDataset, config: VipConfig, sample_rate: float, sigma: float,
-    streams: _Streams,
-) -> torch.Tensor:
-    """Runs the private stage's steps; returns the canary scores [m]."""
-    from vip_core.privacy.optimizer import dp_adamw
-    from vip_core.privacy.sampling import PoissonSampler
-
-    training = config.private
-    optimizer = dp_adamw(model, lr=training.peak_lr, betas=training.betas, weight_decay=training.weight_decay)
-    sampler = PoissonSampler(len(dataset), sample_rate, streams.sampling)
-    scores = torch.zeros(model.canary_probe.shape[1])  # scores: [m]
-    for step in range(training.steps):
-        rows = sampler.sample()  # rows: [b]
-        canary, images = dataset.batch(rows)
-        noise = model.backbone.masking_noise(len(images), streams.masking)  # noise: [o, L]
-        ordinary = {"images": images, "noise": noise}
-        if config.privacy.enabled:
-            _private_step(model, ordinary, {"canary": canary}, config, sigma, streams.noise)
-        else:
-            _plain_step(model, ordinary, {"canary": canary}, config)
-        scores += model.canary_probe.grad[0].detach()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        log.debug("audit step %d: %d canaries, %d ordinary examples", step + 1, len(canary), len(images))
-    return scores * training.batch_size
-
-
-def _private_step(model: CanaryAuditModel, ordinary: dict[str, torch.Tensor], canaries: dict[str, torch.Tensor],
-                  config: VipConfig, sigma: float, generator: torch.Generator) -> None:
-    """One DP-SGD step of the engine: both kinds of example clipped per sample, summed, noised once."""
-    from vip_core.privacy.engine import ClippedGradientSum
-
-    clipped = ClippedGradientSum(model, max_grad_norm=config.privacy.max_grad_norm)
-    clipped.add(ordinary_loss, ordinary, physical_batch_size=config.private.physical_batch_size)
-    clipped.add(canary_loss, canaries, physical_batch_size=config.private.physical_batch_size)
-    clipped.privatize(noise_multiplier=sigma, expected_batch_size=config.private.batch_size, generator=generator)
-
-
-def _plain_step(model: CanaryAuditModel, ordinary: dict[str, torch.Tensor], canaries: dict[str, torch.Tensor],
-                config: VipConfig) -> None:
-    """The non-private gradient: no clipping, no noise, the losses summed over the batch / batch size."""
-    total = torch.zeros(())
-    if len(ordinary["images"]):
-        total = total + ordinary_loss(model, ordinary).sum()
-    if len(canaries["canary"]):
-        total = total + canary_loss(model, canaries).sum()
-    if total.requires_grad:
-        (total / config.private.batch_size).backward()
-    for param in model.parameters():
-        if param.grad is None:  # nothing of this kind in the batch
-            param.grad = torch.zeros_like(param)
-
-
-def audit(config: VipConfig, canaries: int, *, confidence: float = 0.95, seed: int = 0) -> dict[str, Any]:
-    """One audit: a canary run, then the lower bound at the run's δ.
+def audit(config: VipConfig, canaries: int, *, confidence: float = 0.95, seed: int = 0,
+          delta: float | None = None) -> dict[str, Any]:
+    """One audit: a canary run, then the lower bound at the run's δ (:func:`default_delta` when None).
 
     Returns:
         ``epsilon_claimed`` (None for a non-private run), ``epsilon_lower_bound``, ``canaries``,
         ``correct_guesses``, ``guesses``, and the run's settings.
     """
-    run = train_with_canaries(config, canaries, seed=seed)
+    run = train_with_canaries(config, canaries, seed=seed, delta=delta)
     bound = guess_and_bound(run.scores, run.included, delta=run.delta, confidence=confidence)
     log.info("audit: %d of %d guesses right, epsilon >= %.3f (claimed %s)", bound.correct_guesses, bound.guesses,
              bound.epsilon_lower_bound, run.epsilon_claimed)

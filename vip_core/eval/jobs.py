@@ -8,8 +8,9 @@ on a randomly initialised one of the same size, so both see the same data and se
 from __future__ import annotations
 
 import logging
+import uuid
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -21,9 +22,7 @@ from vip_core.eval.datasets import ade20k_pairs, ade20k_root, open_classificatio
 from vip_core.eval.detection import DetectionSettings, detection_eval, open_coco
 from vip_core.eval.features import extract_features
 from vip_core.eval.fewshot import few_shot
-from vip_core.eval.finetune import (
-    DPSettings, EncoderClassifier, FinetuneSettings, dp_finetune, evaluate_classifier, finetune, plan_dp,
-)
+from vip_core.eval.finetune import EncoderClassifier, FinetuneSettings, evaluate_classifier, finetune
 from vip_core.eval.linprobe import ProbeSettings, linear_probe
 from vip_core.eval.segmentation import SegmentationSettings, segmentation_eval
 
@@ -33,8 +32,11 @@ Job = Callable[[nn.Module], dict[str, float]]
 
 
 def prepare_job(task: str, data: str | Path, evaluation: EvaluationConfig, model: ModelConfig,
-                device: torch.device) -> Job:
+                device: torch.device, runs: Sequence[str] = ("result",)) -> Job:
     """Opens ``data`` for ``task`` and returns the job as a function of the encoder.
+
+    ``runs`` names the encoders the job will be called on, in order (``result``, then ``baseline``): DP
+    fine-tuning charges each of them to the fine-tuning set's ledger before any runs.
 
     Raises:
         FileNotFoundError: a path the task needs is missing (named in the message).
@@ -43,6 +45,8 @@ def prepare_job(task: str, data: str | Path, evaluation: EvaluationConfig, model
     builders = {"linprobe": _linprobe, "finetune": _finetune, "fewshot": _fewshot, "coco": _coco, "ade20k": _ade20k}
     if task not in builders:
         raise ValueError(f"unknown task {task!r} (known: {', '.join(EVAL_TASKS)})")
+    if task == "finetune":
+        return _finetune(Path(data), evaluation, model, device, runs)
     return builders[task](Path(data), evaluation, model, device)
 
 
@@ -83,7 +87,8 @@ def _fewshot(data: Path, evaluation: EvaluationConfig, model: ModelConfig, devic
     return job
 
 
-def _finetune(data: Path, evaluation: EvaluationConfig, model: ModelConfig, device: torch.device) -> Job:
+def _finetune(data: Path, evaluation: EvaluationConfig, model: ModelConfig, device: torch.device,
+              runs: Sequence[str]) -> Job:
     dataset = open_classification(data)
     train = dataset.split("train", model.img_size, augment=True)
     val = dataset.split("val", model.img_size)
@@ -91,24 +96,42 @@ def _finetune(data: Path, evaluation: EvaluationConfig, model: ModelConfig, devi
                                 batch_size=evaluation.batch_size, layer_decay=evaluation.layer_decay,
                                 weight_decay=evaluation.finetune_weight_decay, seed=evaluation.seed)
     private = evaluation.finetune_privacy
-    dp, plan = None, {}
-    if private.enabled:
-        dp = DPSettings(target_epsilon=private.target_epsilon, delta=private.delta,
-                        max_grad_norm=private.max_grad_norm, noise_multiplier=private.noise_multiplier,
-                        batch_size=private.batch_size, physical_batch_size=private.physical_batch_size,
-                        steps=private.steps, accountant=private.accountant)
-        plan = plan_dp(dp, len(train))  # settings that cannot hold fail now, before any training
-    report = {f"dp_{key}": float(value) for key, value in plan.items()}
+    if not private.enabled:
+        def job(encoder: nn.Module) -> dict[str, float]:
+            classifier = finetune(EncoderClassifier(encoder, dataset.num_classes), train, settings, device)
+            return {**evaluate_classifier(classifier, val, evaluation.batch_size, device),
+                    "chance_top1": 1 / dataset.num_classes}
+
+        return job
+    return _dp_finetune_job(train, val, dataset.num_classes, settings, evaluation, device, runs)
+
+
+def _dp_finetune_job(train, val, num_classes: int, settings: FinetuneSettings, evaluation: EvaluationConfig,
+                     device: torch.device, runs: Sequence[str]) -> Job:
+    """DP fine-tuning of each encoder in turn, every run charged to the set's ledger before the first starts."""
+    from vip_core.eval.dp_finetune import dp_finetune, plan_dp_finetune
+
+    job_id = uuid.uuid4().hex[:12]
+    run_ids = [f"{job_id}-{role}" for role in runs]
+    private = evaluation.finetune_privacy
+    plan = plan_dp_finetune(private, train, run_ids)  # settings that cannot hold fail now, before any training
+    taken: list[str] = []
 
     def job(encoder: nn.Module) -> dict[str, float]:
-        classifier = EncoderClassifier(encoder, dataset.num_classes)
-        if dp is None:
-            finetune(classifier, train, settings, device)
-        else:
-            dp_finetune(classifier, train, settings, dp, plan, device)
-        accuracy = evaluate_classifier(classifier, val, evaluation.batch_size, device)
-        return {**accuracy, **report, "chance_top1": 1 / dataset.num_classes}
+        if len(taken) == len(run_ids):
+            raise RuntimeError(f"DP fine-tuning was planned for {len(run_ids)} runs ({', '.join(runs)}); no budget "
+                               "is left for another")
+        classifier = EncoderClassifier(encoder, num_classes)
+        epsilon = dp_finetune(classifier, train, settings, private, plan, device, run=run_ids[len(taken)],
+                              earlier_runs=len(taken))
+        taken.append(run_ids[len(taken)])
+        return {**evaluate_classifier(classifier, val, evaluation.batch_size, device), "chance_top1": 1 / num_classes,
+                "dp_epsilon": epsilon, "dp_delta": plan.delta, "dp_noise_multiplier": plan.noise_multiplier,
+                "dp_sample_rate": plan.sample_rate, "dp_steps": float(plan.steps),
+                "dp_max_grad_norm": plan.max_grad_norm, "dp_runs_charged": float(len(run_ids))}
 
+    job.privacy = {"fingerprint": plan.fingerprint, "runs": list(zip(runs, run_ids)),  # type: ignore[attr-defined]
+                   "planned_epsilon": plan.epsilon, "earlier_runs": [c.run for c in plan.prior]}
     return job
 
 

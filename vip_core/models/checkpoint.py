@@ -26,6 +26,10 @@ from vip_core.models.mae import GlobalPool, MaskedAutoencoderViT, build_encoder,
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_FILE = "checkpoint.pt"
+# What a published checkpoint holds, and nothing else: the weights, the run's config, its step and its
+# privacy ledger (ε, δ, σ, q, steps, accountant). Training checkpoints hold more (optimiser, random streams,
+# plan), stay with the run and are as private as the data.
+PUBLISHED_ENTRIES = ("model", "config", "step", "ledger")
 _SHOWN_KEYS = 8
 
 
@@ -68,6 +72,24 @@ def save_checkpoint(path: str | os.PathLike[str], *, model: nn.Module, config: V
         partial_file.unlink(missing_ok=True)
     logger.info("saved checkpoint %s", target)
     return target
+
+
+def release_payload(training_checkpoint: Mapping[str, Any]) -> dict[str, Any]:
+    """The published form of a training checkpoint (``model``, ``config``, ``step``, and the training step's
+    ``state``: optimiser, plan, ledger; see :mod:`vip_core.train.step`): exactly ``PUBLISHED_ENTRIES``.
+
+    The ledger is reduced to its summary (ε of the data set, δ, σ, q, steps, accountant, the other runs
+    composed in); a checkpoint without privacy publishes ``ledger: None``.
+    """
+    from vip_core.privacy.ledger import PrivacyLedger
+
+    ledger = training_checkpoint["state"].get("ledger")
+    return {
+        "model": training_checkpoint["model"],
+        "config": training_checkpoint["config"],
+        "step": int(training_checkpoint["step"]),
+        "ledger": PrivacyLedger.from_state_dict(ledger).summary() if ledger is not None else None,
+    }
 
 
 def load_checkpoint(path: str | os.PathLike[str], map_location: str | torch.device = "cpu") -> dict[str, Any]:

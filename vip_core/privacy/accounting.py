@@ -1,4 +1,5 @@
-"""Privacy accounting for DP-SGD: ε of the Poisson-subsampled Gaussian mechanism composed over steps.
+"""Privacy accounting for DP-SGD: ε of the Poisson-subsampled Gaussian mechanism composed over steps, and
+of several such runs on one data set composed (:func:`composed_epsilon`).
 
 Three accountants behind one interface, all of them upper bounds on the true ε:
 
@@ -23,7 +24,7 @@ import functools
 import logging
 import math
 import warnings
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -40,6 +41,10 @@ _PRV_RESOLUTION = 1000.0
 _PRV_MIN_ERROR = 0.01
 # Calibration stops when σ is known to this relative precision.
 _SIGMA_RELATIVE_TOLERANCE = 1e-3
+
+
+Mechanism = tuple[float, float, int]
+"""One run's share of a composition: ``(noise_multiplier, sample_rate, steps)``."""
 
 
 def compute_epsilon(
@@ -60,34 +65,53 @@ def compute_epsilon(
     Raises:
         ValueError: an argument is out of range; the message names it.
     """
-    check_arguments(noise_multiplier=noise_multiplier, sample_rate=sample_rate, steps=steps, delta=delta,
-                    accountant=accountant)
-    if steps == 0:
+    return composed_epsilon([(noise_multiplier, sample_rate, steps)], delta=delta, accountant=accountant)
+
+
+def composed_epsilon(mechanisms: Sequence[Mechanism], *, delta: float, accountant: str = DEFAULT_ACCOUNTANT) -> float:
+    """ε of several runs on one data set, composed: each run ``(σ, q, steps)`` of Poisson-subsampled Gaussian steps.
+
+    The composition is exact for each accountant (PLD and PRV convolve the privacy loss distributions, RDP
+    adds the Rényi divergences), whatever the order of the runs.
+
+    Raises:
+        ValueError: an argument is out of range; the message names it.
+    """
+    canonical = _canonical(mechanisms, delta=delta, accountant=accountant)
+    if not canonical:
         return 0.0
-    if noise_multiplier == 0:
+    if any(sigma == 0 for sigma, _, _ in canonical):
         return math.inf
-    return _memoised_epsilon(float(noise_multiplier), float(sample_rate), int(steps), float(delta), accountant)
+    return _memoised_epsilon(canonical, float(delta), accountant)
 
 
 def calibrate_noise_multiplier(
-    *, target_epsilon: float, sample_rate: float, steps: int, delta: float, accountant: str = DEFAULT_ACCOUNTANT
+    *, target_epsilon: float, sample_rate: float, steps: int, delta: float, accountant: str = DEFAULT_ACCOUNTANT,
+    prior: Sequence[Mechanism] = (),
 ) -> float:
-    """The smallest σ (to 0.1 %) whose ε after ``steps`` steps is at most ``target_epsilon``; never above it.
+    """The smallest σ (to 0.1 %) for which ``steps`` steps composed with the ``prior`` runs stay at or below
+    ``target_epsilon``; never above it.
 
     RDP, cheap and never below the tight accountants, gives a σ that is known to be enough; bisection
     with the named accountant then narrows it down.
 
     Raises:
-        ValueError: an argument is out of range; the message names it.
+        ValueError: an argument is out of range, or the prior runs leave no room for ``target_epsilon``;
+            the message names it.
     """
     if not (math.isfinite(target_epsilon) and target_epsilon > 0):
         raise ValueError(f"target_epsilon must be > 0, got {target_epsilon}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an integer >= 1 to calibrate sigma, got {steps!r}")
     check_arguments(noise_multiplier=1.0, sample_rate=sample_rate, steps=steps, delta=delta, accountant=accountant)
-    sigma = _calibrate_memoised(float(target_epsilon), float(sample_rate), int(steps), float(delta), accountant)
-    log.info("sigma %.5f gives epsilon <= %g (q=%.3g, %d steps, delta=%.3g, %s)",
-             sigma, target_epsilon, sample_rate, steps, delta, accountant)
+    prior = _canonical(prior, delta=delta, accountant=accountant)
+    spent = composed_epsilon(prior, delta=delta, accountant=accountant)
+    if spent >= target_epsilon:
+        raise ValueError(f"target_epsilon {target_epsilon}: earlier runs on this data set already spent "
+                         f"epsilon {spent:.4f}, so no further run fits")
+    sigma = _calibrate_memoised(float(target_epsilon), float(sample_rate), int(steps), float(delta), accountant, prior)
+    log.info("sigma %.5f gives epsilon <= %g (q=%.3g, %d steps, delta=%.3g, %s, %d earlier runs)",
+             sigma, target_epsilon, sample_rate, steps, delta, accountant, len(prior))
     return sigma
 
 
@@ -105,51 +129,77 @@ def check_arguments(*, noise_multiplier: float, sample_rate: float, steps: int, 
         raise ValueError(f"accountant must be one of {', '.join(ACCOUNTANTS)}, got {accountant!r}")
 
 
+def _canonical(mechanisms: Sequence[Mechanism], *, delta: float, accountant: str) -> tuple[Mechanism, ...]:
+    """The runs checked, without empty ones, runs of one (σ, q) merged (self-composition), sorted: one
+    memoisation key per composition."""
+    steps_of: dict[tuple[float, float], int] = {}
+    for sigma, sample_rate, steps in mechanisms:
+        check_arguments(noise_multiplier=sigma, sample_rate=sample_rate, steps=steps, delta=delta,
+                        accountant=accountant)
+        if steps:
+            key = (float(sigma), float(sample_rate))
+            steps_of[key] = steps_of.get(key, 0) + int(steps)
+    return tuple(sorted((sigma, q, steps) for (sigma, q), steps in steps_of.items()))
+
+
 # ------------------------------------------------------------------------------------------- accountants
 
 
 @functools.lru_cache(maxsize=65536)
-def _memoised_epsilon(sigma: float, sample_rate: float, steps: int, delta: float, accountant: str) -> float:
-    epsilon = _EPSILON[accountant](sigma, sample_rate, steps, delta)
+def _memoised_epsilon(mechanisms: tuple[Mechanism, ...], delta: float, accountant: str) -> float:
+    epsilon = _EPSILON[accountant](mechanisms, delta)
     if accountant != "rdp" and not math.isfinite(epsilon):  # PRV overflows when ε is in the hundreds
-        log.warning("%s accountant overflowed (sigma %g, q %g, %d steps): reporting the RDP bound", accountant,
-                    sigma, sample_rate, steps)
-        return _memoised_epsilon(sigma, sample_rate, steps, delta, "rdp")
+        log.warning("%s accountant overflowed (%s): reporting the RDP bound", accountant, mechanisms)
+        return _memoised_epsilon(mechanisms, delta, "rdp")
     return epsilon
 
 
-def _dp_sgd_event(sigma: float, sample_rate: float, steps: int):
+def _dp_sgd_event(mechanisms: tuple[Mechanism, ...]):
     import dp_accounting
 
-    step = dp_accounting.PoissonSampledDpEvent(sample_rate, dp_accounting.GaussianDpEvent(sigma))
-    return dp_accounting.SelfComposedDpEvent(step, steps)
+    return dp_accounting.ComposedDpEvent([
+        dp_accounting.SelfComposedDpEvent(
+            dp_accounting.PoissonSampledDpEvent(sample_rate, dp_accounting.GaussianDpEvent(sigma)), steps)
+        for sigma, sample_rate, steps in mechanisms
+    ])
 
 
-def _rdp_epsilon(sigma: float, sample_rate: float, steps: int, delta: float) -> float:
+def _rdp_epsilon(mechanisms: tuple[Mechanism, ...], delta: float) -> float:
+    """opacus's RDP accountant, computed as it does (its default orders), with each (σ, q)'s one-step Rényi
+    divergences memoised: T steps are T times one step, so ε after every step costs no new series."""
     from opacus.accountants import RDPAccountant
+    from opacus.accountants.analysis.rdp import get_privacy_spent
 
-    accountant = RDPAccountant()
-    accountant.history = [(sigma, sample_rate, steps)]
+    rdp = sum(steps * _rdp_one_step(sigma, sample_rate) for sigma, sample_rate, steps in mechanisms)
     with warnings.catch_warnings():  # "optimal order is the largest alpha": looser, still an upper bound
         warnings.simplefilter("ignore", UserWarning)
-        return float(accountant.get_epsilon(delta))
+        epsilon, _ = get_privacy_spent(orders=RDPAccountant.DEFAULT_ALPHAS, rdp=rdp, delta=delta)
+    return float(epsilon)
 
 
-def _pld_epsilon(sigma: float, sample_rate: float, steps: int, delta: float) -> float:
+@functools.lru_cache(maxsize=1024)
+def _rdp_one_step(sigma: float, sample_rate: float) -> np.ndarray:
+    from opacus.accountants import RDPAccountant
+    from opacus.accountants.analysis.rdp import compute_rdp
+
+    return np.asarray(compute_rdp(q=sample_rate, noise_multiplier=sigma, steps=1, orders=RDPAccountant.DEFAULT_ALPHAS))
+
+
+def _pld_epsilon(mechanisms: tuple[Mechanism, ...], delta: float) -> float:
     from dp_accounting.pld import pld_privacy_accountant
 
-    interval = max(_memoised_epsilon(sigma, sample_rate, steps, delta, "rdp") / _PLD_RESOLUTION, _PLD_MIN_INTERVAL)
+    interval = max(_memoised_epsilon(mechanisms, delta, "rdp") / _PLD_RESOLUTION, _PLD_MIN_INTERVAL)
     accountant = pld_privacy_accountant.PLDAccountant(value_discretization_interval=interval)
-    accountant.compose(_dp_sgd_event(sigma, sample_rate, steps))
+    accountant.compose(_dp_sgd_event(mechanisms))
     return float(accountant.get_epsilon(delta))
 
 
-def _prv_epsilon(sigma: float, sample_rate: float, steps: int, delta: float) -> float:
+def _prv_epsilon(mechanisms: tuple[Mechanism, ...], delta: float) -> float:
     from opacus.accountants import PRVAccountant
 
-    eps_error = max(_memoised_epsilon(sigma, sample_rate, steps, delta, "rdp") / _PRV_RESOLUTION, _PRV_MIN_ERROR)
+    eps_error = max(_memoised_epsilon(mechanisms, delta, "rdp") / _PRV_RESOLUTION, _PRV_MIN_ERROR)
     accountant = PRVAccountant()
-    accountant.history = [(sigma, sample_rate, steps)]
+    accountant.history = list(mechanisms)
     # Its domain bound uses RDP (which may warn about its order range) and log(1 - q) is -inf at q = 1:
     # both are handled, and the result stays an upper bound.
     with warnings.catch_warnings(), np.errstate(divide="ignore", over="ignore", invalid="ignore"):
@@ -157,7 +207,7 @@ def _prv_epsilon(sigma: float, sample_rate: float, steps: int, delta: float) -> 
         return float(accountant.get_epsilon(delta, eps_error=eps_error))
 
 
-_EPSILON: dict[str, Callable[[float, float, int, float], float]] = {
+_EPSILON: dict[str, Callable[[tuple[Mechanism, ...], float], float]] = {
     "pld": _pld_epsilon,
     "prv": _prv_epsilon,
     "rdp": _rdp_epsilon,
@@ -168,12 +218,16 @@ _EPSILON: dict[str, Callable[[float, float, int, float], float]] = {
 
 
 @functools.lru_cache(maxsize=1024)
-def _calibrate_memoised(target: float, sample_rate: float, steps: int, delta: float, accountant: str) -> float:
+def _calibrate_memoised(target: float, sample_rate: float, steps: int, delta: float, accountant: str,
+                        prior: tuple[Mechanism, ...]) -> float:
+    def epsilon(sigma: float, name: str) -> float:
+        return composed_epsilon([*prior, (sigma, sample_rate, steps)], delta=delta, accountant=name)
+
     def rdp(sigma: float) -> float:
-        return _memoised_epsilon(sigma, sample_rate, steps, delta, "rdp")
+        return epsilon(sigma, "rdp")
 
     def tight(sigma: float) -> float:
-        return _memoised_epsilon(sigma, sample_rate, steps, delta, accountant)
+        return epsilon(sigma, accountant)
 
     low, high = _bracket(rdp, target, start=1.0, shrink=0.5)
     sigma_rdp = _bisect(rdp, target, low, high)

@@ -17,14 +17,18 @@ Plain parameters of shape ``[1, ...]`` (cls/mask tokens, learnt position embeddi
 the forward by a per-sample stand-in ``[B, ...]`` whose gradient is per sample.
 
 What is refused, with an error naming the layer: a trainable parameter of any other layer type, a plain
-parameter whose leading dimension is not 1, batch normalisation in training mode (it mixes samples), a
-supported layer whose weight is also used outside its own forward (tied weights), an ``Embedding`` with
-``scale_grad_by_freq`` or ``sparse``, a layer input modified in place after the layer ran.
+parameter whose leading dimension is not 1, a plain parameter broadcast along another dimension than the
+batch (a ``[1, D]`` parameter added to ``[B, T, D]``: its stand-in would mix samples; checked once per model
+on its first microbatch of two or more samples, with one extra forward and two backward passes, so a loss
+function is called once more than there are microbatches then), batch normalisation in training mode (it
+mixes samples), a supported layer whose weight is also used outside its own forward (tied weights), an
+``Embedding`` with ``scale_grad_by_freq`` or ``sparse``, a layer input modified in place after the layer ran.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -34,6 +38,7 @@ from torch import nn
 from torch.func import functional_call
 
 from vip_core.privacy.per_sample import RULES, PlainRule, Rule, Sums
+from vip_core.privacy.randomness import RandomStream
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +81,7 @@ def privatized_gradients(
     noise_multiplier: float,
     expected_batch_size: float,
     physical_batch_size: int | None = None,
-    generator: torch.Generator | None = None,
+    noise: RandomStream | None = None,
 ) -> StepStats:
     """Sets ``.grad`` of every trainable parameter of ``model`` to the privatized mean gradient.
 
@@ -89,7 +94,7 @@ def privatized_gradients(
         noise_multiplier: σ; the noise standard deviation is σC (0 for no noise, e.g. on ranks other than 0).
         expected_batch_size: the public expected logical batch size (q·N) the sum is divided by.
         physical_batch_size: microbatch size bounding memory; the whole batch at once when None.
-        generator: the source of the noise; torch's default generator when None.
+        noise: the random stream of the noise; required when ``noise_multiplier`` > 0.
 
     Returns:
         Monitoring statistics of the batch (not private).
@@ -97,7 +102,7 @@ def privatized_gradients(
     _check_arguments(max_grad_norm, noise_multiplier, expected_batch_size, physical_batch_size)
     clipped = ClippedGradientSum(model, max_grad_norm=max_grad_norm)
     clipped.add(loss_fn, inputs, physical_batch_size=physical_batch_size)
-    return clipped.privatize(noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size, generator=generator)
+    return clipped.privatize(noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size, noise=noise)
 
 
 class ClippedGradientSum:
@@ -126,16 +131,23 @@ class ClippedGradientSum:
             _add_microbatch(self.plan, self.model, loss_fn, chunk, self.max_grad_norm, self.sums, self.totals)
 
     def privatize(
-        self, *, noise_multiplier: float, expected_batch_size: float, generator: torch.Generator | None = None
+        self, *, noise_multiplier: float, expected_batch_size: float, noise: RandomStream | None = None
     ) -> StepStats:
         """Sets each trainable parameter's ``.grad`` to (sum + N(0, σ²C²I)) / expected_batch_size.
+
+        Args:
+            noise_multiplier: σ (0 on the ranks that add no noise).
+            expected_batch_size: the public divisor q·N.
+            noise: the random stream of the noise; required when σ > 0.
 
         Returns:
             Monitoring statistics of the batch (not private).
         """
         _check_arguments(self.max_grad_norm, noise_multiplier, expected_batch_size, None)
+        if noise_multiplier > 0 and noise is None:
+            raise ValueError("noise_multiplier > 0 needs a noise stream (a RandomStream), never a default generator")
         for param in self.plan.params:
-            noisy = _gaussian(param, noise_multiplier * self.max_grad_norm, generator)
+            noisy = _gaussian(param, noise_multiplier * self.max_grad_norm, noise)
             if param in self.sums:
                 noisy.add_(self.sums.pop(param))
             param.grad = noisy.div_(expected_batch_size)
@@ -156,13 +168,11 @@ def _check_arguments(
         raise ValueError(f"physical_batch_size must be > 0, got {physical_batch_size}")
 
 
-def _gaussian(param: nn.Parameter, std: float, generator: torch.Generator | None) -> torch.Tensor:
-    """One N(0, std²) draw per element of ``param``, from ``generator`` (on its own device)."""
+def _gaussian(param: nn.Parameter, std: float, noise: RandomStream | None) -> torch.Tensor:
+    """One N(0, std²) draw per element of ``param`` from ``noise``, on ``param``'s device and in its dtype."""
     if std == 0:
         return torch.zeros_like(param)
-    device = generator.device if generator is not None else param.device
-    noise = torch.normal(0.0, std, size=param.shape, generator=generator, device=device, dtype=param.dtype)
-    return noise.to(param.device)
+    return noise.normal(param.shape, std, dtype=param.dtype, device=param.device)
 
 
 # ------------------------------------------------------------------------------------------------ planning
@@ -393,8 +403,9 @@ def _add_microbatch(
     """Adds the clipped per-sample gradients of one microbatch to ``sums``."""
     batch = batch_size_of(inputs)
     device = plan.params[0].device if plan.params else torch.device("cpu")
+    _verify_stand_ins(plan, model, loss_fn, inputs, batch)
     with _Tape(plan) as tape:
-        stand_ins = {name: p.detach().expand(batch, *p.shape[1:]).requires_grad_() for name, p in plan.plain}
+        stand_ins = _stand_ins(plan, batch)
         losses = _losses(model, loss_fn, inputs, stand_ins, batch)
     plain_rules = [PlainRule(name, param) for name, param in plan.plain]
     if losses.requires_grad:
@@ -426,17 +437,68 @@ def clip_factors(squared_norms: torch.Tensor, max_grad_norm: float) -> tuple[tor
     return torch.where(finite, factors, torch.zeros_like(factors)), finite
 
 
+def _stand_ins(plan: ModelPlan, batch: int) -> dict[str, torch.Tensor]:
+    """A ``[B, ...]`` stand-in per plain ``[1, ...]`` parameter: row i is sample i's copy."""
+    return {name: p.detach().expand(batch, *p.shape[1:]).requires_grad_() for name, p in plan.plain}
+
+
+def _verify_stand_ins(plan: ModelPlan, model: nn.Module, loss_fn: LossFn, inputs: Inputs, batch: int) -> None:
+    """Refuses a model in which a plain parameter's stand-in row reaches another sample's loss.
+
+    A ``[1, ...]`` parameter is clipped per sample through its stand-in, which is right only if the model
+    broadcasts the parameter against the batch dimension. One used along another dimension (a ``[1, D]``
+    parameter added to ``[B, T, D]``) would mix samples, silently when B = T. Checked once per model, on its
+    first microbatch of two or more samples: the gradients of the first and the last sample's loss must be
+    exactly zero in every other sample's stand-in row.
+    """
+    names = frozenset(name for name, _ in plan.plain)
+    if batch < 2 or names <= _VERIFIED_PLAIN.get(model, frozenset()):
+        return
+    stand_ins = _stand_ins(plan, batch)
+    losses = _losses(model, loss_fn, inputs, stand_ins, batch)
+    for sample in sorted({0, batch - 1}):
+        if not losses[sample].requires_grad:
+            continue
+        grads = torch.autograd.grad(losses[sample], list(stand_ins.values()), retain_graph=True, allow_unused=True)
+        for (name, param), grad in zip(plan.plain, grads):
+            if grad is None:
+                continue
+            others = torch.cat([grad[:sample], grad[sample + 1:]])
+            if bool((others.nan_to_num() != 0).any()):
+                raise UnsupportedLayerError(
+                    f"plain parameter '{name}' {list(param.shape)} is not broadcast against the batch alone: "
+                    f"sample {sample}'s loss reaches other samples' copies of it, so its per-sample gradient "
+                    "would mix samples (e.g. a [1, D] parameter added to [B, T, D]); give it shape [1, 1, D]"
+                )
+    _VERIFIED_PLAIN[model] = names | _VERIFIED_PLAIN.get(model, frozenset())
+
+
+_VERIFIED_PLAIN: "weakref.WeakKeyDictionary[nn.Module, frozenset[str]]" = weakref.WeakKeyDictionary()
+
+
 def _losses(
     model: nn.Module, loss_fn: LossFn, inputs: Inputs, stand_ins: dict[str, torch.Tensor], batch: int
 ) -> torch.Tensor:
     if stand_ins:
-        losses = functional_call(_LossCall(model, loss_fn), {f"model.{k}": v for k, v in stand_ins.items()}, (inputs,))
+        losses = _with_stand_ins(model, loss_fn, inputs, stand_ins)
     else:
         losses = loss_fn(model, inputs)
     if not isinstance(losses, torch.Tensor) or losses.shape != (batch,):
         shape = list(losses.shape) if isinstance(losses, torch.Tensor) else type(losses).__name__
         raise ValueError(f"loss_fn must return one loss per sample, shape [{batch}], got {shape}")
     return losses
+
+
+def _with_stand_ins(model: nn.Module, loss_fn: LossFn, inputs: Inputs, stand_ins: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The losses with each plain parameter replaced by its stand-in; a broadcast that fails is refused by name."""
+    try:
+        return functional_call(_LossCall(model, loss_fn), {f"model.{k}": v for k, v in stand_ins.items()}, (inputs,))
+    except RuntimeError as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UnsupportedLayerError(
+            f"the model fails when its plain parameters ({', '.join(stand_ins)}) are given one copy per sample "
+            f"([B, ...]): {reason}. A [1, ...] parameter must be broadcast against the batch dimension only"
+        ) from error
 
 
 class _LossCall(nn.Module):

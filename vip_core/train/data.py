@@ -11,19 +11,19 @@ Partition. The samples of all shards, in shard order, get global indices ``0 .. 
 each of its own samples with probability q, the union over workers is a Poisson sample of the whole
 data set at rate q: the sampling the accountant is fed.
 
-Random streams. :func:`stream_generator` derives a torch generator from ``(entropy, rank, purpose)``
-through numpy's ``SeedSequence``: streams of different ranks or purposes are statistically independent,
-never the same seed reused (the ViP paper's released script seeds every rank alike, which correlates
-the ranks' samples).
+The data set's fingerprint (:func:`measure_shards`: shard names and sizes and where each image lies) names
+its privacy ledger and ties a resumed run to the data it started on.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
+import json
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -33,25 +33,6 @@ from vip_core.data.shards import IMAGE_EXTENSIONS, list_shards
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-STREAM_PURPOSES = ("sampling", "masking", "noise")
-
-
-# ------------------------------------------------------------------------------------------------ streams
-
-
-def stream_generator(entropy: int, rank: int, purpose: str) -> torch.Generator:
-    """A CPU generator for ``purpose`` on ``rank``, independent of every other (rank, purpose) pair.
-
-    Args:
-        entropy: the run's root entropy (a fresh random number for a private run).
-        rank: the worker's global rank.
-        purpose: one of ``STREAM_PURPOSES``.
-    """
-    if purpose not in STREAM_PURPOSES:
-        raise ValueError(f"unknown random stream {purpose!r} (known: {', '.join(STREAM_PURPOSES)})")
-    sequence = np.random.SeedSequence(entropy, spawn_key=(rank, STREAM_PURPOSES.index(purpose)))
-    seed = int(sequence.generate_state(1, dtype=np.uint64)[0]) & ((1 << 63) - 1)
-    return torch.Generator().manual_seed(seed)
 
 
 # ---------------------------------------------------------------------------------------------- partition
@@ -157,13 +138,51 @@ def parquet_locations(shard: Path) -> list[ParquetLocation]:
     return locations
 
 
-def shard_counts(folder: str | Path) -> tuple[list[Path], list[int]]:
-    """The shards of ``folder`` (complete tars, else parquet files) and the number of images in each
-    (the measured N is the sum)."""
+class ShardSet(NamedTuple):
+    """A measured shard-backed data set.
+
+    Attributes:
+        shards: the complete shards, in order.
+        counts: the number of images in each (the measured N is the sum).
+        fingerprint: a digest of every shard's name and size, of where each image lies in it (offset and
+            length in a tar, row group and row in a parquet file) and of the shard's first and last 64 KiB: it
+            names the data set's privacy ledger and ties a resumed run to its data. Two data sets share it
+            only if they agree in all of that.
+    """
+
+    shards: list[Path]
+    counts: list[int]
+    fingerprint: str
+
+
+def measure_shards(folder: str | Path) -> ShardSet:
+    """The shards of ``folder`` (complete tars, else parquet files), their image counts and fingerprint, in
+    one pass over the shards' headers."""
     shards = list_shards(folder) or sorted(Path(folder).glob("*.parquet"))
     if not shards:
         raise FileNotFoundError(f"no shards (*.tar or *.parquet) in {folder}")
-    return shards, [len(image_locations(shard)) for shard in shards]
+    digest = hashlib.sha256()
+    counts = []
+    for shard in shards:
+        locations = image_locations(shard)
+        counts.append(len(locations))
+        digest.update(json.dumps([shard.name, shard.stat().st_size, [_layout(loc) for loc in locations]]).encode())
+        digest.update(_ends(shard))
+    return ShardSet(shards, counts, digest.hexdigest()[:32])
+
+
+def _ends(shard: Path, size: int = 64 * 1024) -> bytes:
+    """The first and last ``size`` bytes of a file (all of it when it is smaller than twice that)."""
+    with open(shard, "rb") as handle:
+        head = handle.read(size)
+        handle.seek(max(handle.seek(0, io.SEEK_END) - size, len(head)))
+        return head + handle.read()
+
+
+def _layout(location: TarLocation | ParquetLocation) -> tuple[int, int]:
+    if isinstance(location, TarLocation):
+        return location.offset, location.size
+    return location.row_group, location.row
 
 
 def decode_image(payload: bytes, img_size: int) -> torch.Tensor:
@@ -184,7 +203,7 @@ class ShardPartition:
 
     Args:
         shards: all complete shards, in order.
-        counts: images per shard (from :func:`shard_counts`).
+        counts: images per shard (from :func:`measure_shards`).
         rank: this worker's global rank.
         world_size: the number of workers.
         img_size: side of the square tensors returned.

@@ -1,6 +1,6 @@
 """torch.distributed helpers for data-parallel (DP-)training; each works unchanged in a single process.
 
-The private step across ``W`` workers (DESIGN.md, DP rule 3):
+The private step across ``W`` workers (docs/privacy.md, rule 3):
 
 1. every rank Poisson-samples its own block of the data with its own random stream;
 2. every rank computes the clipped sum of its samples' gradients, divided by the public expected batch

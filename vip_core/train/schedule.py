@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Literal
+
+from vip_core.config import TrainingConfig
 
 
 def lr_at(
@@ -39,3 +42,24 @@ def lr_at(
     decay_steps = max(total_steps - warmup_steps, 1)
     progress = min((step - warmup_steps) / decay_steps, 1.0)
     return min_lr + (peak_lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """A learning-rate schedule (see :func:`lr_at`)."""
+
+    peak_lr: float
+    total_steps: int
+    warmup_steps: int = 0
+    min_lr: float = 0.0
+    kind: Literal["cosine", "constant"] = "cosine"
+
+    @classmethod
+    def of(cls, training: TrainingConfig) -> "Schedule":
+        """The schedule of a pre-training stage."""
+        return cls(peak_lr=training.peak_lr, total_steps=training.steps, warmup_steps=training.warmup_steps,
+                   min_lr=training.min_lr, kind=training.schedule)
+
+    def lr(self, step: int) -> float:
+        return lr_at(step, peak_lr=self.peak_lr, total_steps=self.total_steps, warmup_steps=self.warmup_steps,
+                     min_lr=self.min_lr, schedule=self.kind)

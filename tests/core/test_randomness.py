@@ -1,0 +1,106 @@
+"""Random streams: keyed by 128 bits (not 32), independent per rank and purpose, fresh per private run,
+resumable, a secure mode from the OS CSPRNG, and a device path."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from vip_core.privacy.randomness import ENTROPY_BITS, RandomStream, private_entropy
+
+PURPOSES = ("sampling", "noise", "sample")
+
+
+def first_draws(stream: RandomStream) -> list[float]:
+    return stream.normal((16,), 1.0).tolist()
+
+
+def test_torch_cpu_generators_keep_32_bits_of_their_seed_which_is_why_no_private_stream_uses_them():
+    seed = 0x1234_5678_9ABC
+    a = torch.normal(0.0, 1.0, (8,), generator=torch.Generator().manual_seed(seed))
+    b = torch.normal(0.0, 1.0, (8,), generator=torch.Generator().manual_seed(seed + 2**32))
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("bit", [32, 40, 63, 64, 100, 127])
+@pytest.mark.parametrize("purpose", PURPOSES)
+def test_seeds_that_differ_only_above_bit_32_give_different_streams(bit, purpose):
+    seed = 0x0123_4567_89AB_CDEF_0123_4567_89AB_CDEF & ((1 << 128) - 1)
+    a = RandomStream(seed, 0, purpose)
+    b = RandomStream(seed ^ (1 << bit), 0, purpose)
+    assert first_draws(a) != first_draws(b)
+    assert a.bits(4).tolist() != b.bits(4).tolist()
+
+
+def test_one_key_gives_one_stream_and_ranks_and_purposes_are_independent():
+    seed = private_entropy()
+    assert first_draws(RandomStream(seed, 3, "noise")) == first_draws(RandomStream(seed, 3, "noise"))
+    streams = [RandomStream(seed, rank, purpose) for rank in range(3) for purpose in PURPOSES]
+    coins = torch.stack([torch.from_numpy((s.bits(20_000) >> 63).astype("int64")) for s in streams]).double()
+    agreement = (coins[:, None, :] == coins[None, :, :]).double().mean(-1)  # [S, S]
+    off_diagonal = agreement[~torch.eye(len(streams), dtype=torch.bool)]
+    # Independent fair coins agree half the time (std 0.0035); streams seeded alike would agree always.
+    assert (off_diagonal - 0.5).abs().max() < 0.03
+
+
+def test_private_entropy_is_128_fresh_bits():
+    draws = {private_entropy() for _ in range(64)}
+    assert len(draws) == 64 and ENTROPY_BITS == 128
+    assert max(draws).bit_length() > 120
+
+
+@pytest.mark.parametrize("mode", ["default", "secure"])
+def test_gaussian_draws_have_the_asked_standard_deviation(mode):
+    noise = RandomStream(7, 0, "noise", mode).normal((200_000,), 0.25, dtype=torch.float64)
+    assert noise.dtype == torch.float64
+    assert noise.std().item() == pytest.approx(0.25, rel=0.01)
+    assert abs(noise.mean().item()) < 0.005
+    # The tails of a Gaussian: about 4.6 % beyond two standard deviations.
+    assert (noise.abs() > 0.5).double().mean().item() == pytest.approx(0.0455, rel=0.06)
+
+
+@pytest.mark.parametrize("mode", ["default", "secure"])
+def test_uniform_draws_lie_in_the_unit_interval_and_are_flat(mode):
+    draws = RandomStream(1, 0, "sample", mode).uniform((400, 100))
+    assert draws.shape == (400, 100) and draws.dtype == torch.float32
+    assert 0.0 <= draws.min().item() and draws.max().item() < 1.0
+    assert draws.mean().item() == pytest.approx(0.5, abs=0.005)
+    assert draws.var().item() == pytest.approx(1 / 12, rel=0.02)
+
+
+def test_secure_mode_has_no_state_and_never_repeats_itself():
+    a, b = RandomStream(1, 0, "noise", "secure"), RandomStream(1, 0, "noise", "secure")
+    assert first_draws(a) != first_draws(b)  # the key is not used: every draw is the OS CSPRNG's
+    assert set(a.state_dict()) == {"mode", "purpose"}
+
+
+def test_a_saved_state_continues_the_stream():
+    stream = RandomStream(private_entropy(), 1, "sample")
+    stream.uniform((10,))
+    state = stream.state_dict()
+    expected = stream.uniform((5,))
+    resumed = RandomStream(private_entropy(), 1, "sample")
+    resumed.load_state_dict(state)
+    assert torch.equal(resumed.uniform((5,)), expected)
+    with pytest.raises(ValueError, match="'noise'"):
+        RandomStream(0, 0, "noise").load_state_dict(state)
+
+
+def test_unknown_purposes_and_modes_are_refused():
+    with pytest.raises(ValueError, match="unknown random stream"):
+        RandomStream(0, 0, "dropout")
+    with pytest.raises(ValueError, match="random mode"):
+        RandomStream(0, 0, "noise", "fast")
+
+
+@pytest.mark.gpu
+def test_device_noise_is_keyed_by_the_stream_and_has_the_asked_standard_deviation():
+    device = torch.device("cuda")
+    seed = private_entropy()
+    a = RandomStream(seed, 0, "noise").normal((1_000_000,), 0.5, device=device)
+    b = RandomStream(seed, 0, "noise").normal((1_000_000,), 0.5, device=device)
+    c = RandomStream(seed ^ (1 << 100), 0, "noise").normal((1_000_000,), 0.5, device=device)
+    assert a.device.type == "cuda" and torch.equal(a, b) and not torch.equal(a, c)
+    assert a.std().item() == pytest.approx(0.5, rel=0.01) and math.isfinite(a.sum().item())

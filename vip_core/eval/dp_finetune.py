@@ -1,0 +1,110 @@
+"""DP fine-tuning: the fine-tuning set is treated as private, and each encoder is fine-tuned by the one
+private step (:class:`~vip_core.train.step.PrivateStep`).
+
+The job fine-tunes two encoders on the same set, the checkpoint's and a random-init baseline. Both runs
+are charged to the set's ledger (:func:`plan_dp_finetune`), and σ is calibrated so that they compose,
+with any earlier run on the set, to at most ``target_epsilon``: the ε reported is that composed one. Each
+run is a :class:`~vip_core.train.step.PrivateStep` with fine-tuning's layer-decayed AdamW groups and its
+warmup-cosine schedule: Poisson sampling at q = B / N, per-sample clipping to C over every parameter,
+Gaussian noise σC once per step, division by B, randomness from fresh 128-bit OS entropy. This guarantee
+covers the fine-tuning data; pre-training data has its own.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from vip_core.config import FinetunePrivacyConfig
+from vip_core.eval.finetune import EncoderClassifier, FinetuneSettings
+from vip_core.eval.optim import layer_decay_param_groups
+from vip_core.privacy.ledger import LedgerBook
+from vip_core.privacy.plan import PrivacyPlan, fingerprint_of, plan_and_charge, settle_charge
+from vip_core.privacy.randomness import RandomStream
+from vip_core.train.loop import run_steps
+from vip_core.train.schedule import Schedule
+from vip_core.train.step import PrivateStep, StepReport
+
+logger = logging.getLogger(__name__)
+
+PURPOSE = "dp-finetune"
+FIELD = "evaluation.finetune_privacy"
+
+
+def dataset_fingerprint(dataset: Dataset) -> str:
+    """The fingerprint of a file-backed data set (each file's path, size and label), or of its size."""
+    samples = getattr(dataset, "samples", None)
+    if samples is None:
+        return fingerprint_of([(type(dataset).__name__, 0, len(dataset))])
+    return fingerprint_of([(str(path), path.stat().st_size, int(label)) for path, label in samples])
+
+
+def plan_dp_finetune(private: FinetunePrivacyConfig, train: Dataset, runs: Sequence[str],
+                     book: LedgerBook | None = None) -> PrivacyPlan:
+    """Plans the fine-tuning runs ``runs`` on ``train`` against the set's ledger and charges every one.
+
+    Args:
+        private: the DP fine-tuning settings.
+        train: the fine-tuning set (private).
+        runs: one id per run (the checkpoint's encoder, the baseline).
+        book: the set's ledger book; the one under ``$VIP_HOME/ledgers`` when None.
+
+    Raises:
+        ConfigError: the batch is larger than the set, or the budget cannot hold the runs (naming the field).
+    """
+    fingerprint = dataset_fingerprint(train)
+    book = book if book is not None else LedgerBook.for_data_set(fingerprint)
+    return plan_and_charge(
+        book, runs=runs, purpose=PURPOSE, budget=private, dataset_size=len(train), batch_size=private.batch_size,
+        steps=private.steps, fingerprint=fingerprint, field=FIELD, batch_field=f"{FIELD}.batch_size",
+    )
+
+
+def dp_finetune(model: EncoderClassifier, train: Dataset, settings: FinetuneSettings, private: FinetunePrivacyConfig,
+                plan: PrivacyPlan, device: torch.device, *, run: str, earlier_runs: int = 0,
+                book: LedgerBook | None = None) -> float:
+    """Fine-tunes ``model`` privately on ``train`` as run ``run`` of ``plan``; returns the set's ε after it.
+
+    Args:
+        model: the classifier (moved to ``device``).
+        train: the fine-tuning set, whose items are ``(image [3, S, S], label)``.
+        settings: the fine-tuning hyperparameters (base lr per 256, layer decay, weight decay).
+        private: the DP fine-tuning settings (physical batch size).
+        plan: the plan from :func:`plan_dp_finetune`.
+        device: where to train.
+        run: this run's id, one of the ids the plan was charged for.
+        earlier_runs: runs of this plan already taken (their steps count in ε).
+        book: the set's ledger book, settled with the steps taken; the one under ``$VIP_HOME/ledgers`` when None.
+    """
+    model.to(device).train()
+    lr = settings.lr * plan.batch_size / 256
+    groups = layer_decay_param_groups(model, "encoder.", len(model.encoder.blocks), lr, settings.weight_decay,
+                                      settings.layer_decay)
+    schedule = Schedule(peak_lr=lr, total_steps=plan.steps, warmup_steps=max(1, plan.steps // 10))
+    step = PrivateStep(model, plan, schedule, physical_batch_size=private.physical_batch_size, betas=(0.9, 0.999),
+                       weight_decay=settings.weight_decay, param_groups=groups, earlier_runs=earlier_runs)
+
+    def batch(indices: torch.Tensor, stream: RandomStream) -> torch.Tensor:
+        return indices  # [k]: the images are read one microbatch at a time by the loss
+
+    def loss(classifier: nn.Module, indices: torch.Tensor) -> torch.Tensor:
+        images, labels = _gather(train, indices)  # images: [b, 3, S, S], labels: [b]
+        return nn.functional.cross_entropy(classifier(images.to(device)), labels.to(device), reduction="none")
+
+    def progress(report: StepReport) -> None:
+        if report.step % max(1, plan.steps // 5) == 0:
+            logger.info("DP fine-tune step %d/%d: epsilon %.3f", report.step, plan.steps, report.epsilon)
+
+    result = run_steps(step, batch, loss, until=plan.steps, on_step=progress)
+    book = book if book is not None else LedgerBook.for_data_set(plan.fingerprint)
+    settle_charge(book, plan, run, PURPOSE, result.steps)
+    return step.epsilon
+
+
+def _gather(dataset: Dataset, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    items = [dataset[int(i)] for i in indices]
+    return torch.stack([image for image, _ in items]), torch.tensor([label for _, label in items])

@@ -1,0 +1,169 @@
+"""Random streams of training runs: Poisson draws, Gaussian noise and per-sample randomness (MAE masks,
+augmentation).
+
+A private run's streams must not be searchable. torch's CPU generator keeps only the low 32 bits of the
+seed it is given (``manual_seed(s)`` and ``manual_seed(s + 2**32)`` give the same stream), so no private
+stream goes through it. Every stream here is a :class:`RandomStream` that answers the three questions a
+run asks (which examples, how much noise, which mask) from one of two sources:
+
+* ``"default"``: numpy's PCG64DXSM keyed by a 128-bit :class:`numpy.random.SeedSequence` spawned per
+  ``(rank, purpose)`` from the run's root entropy. A private run's root entropy is 128 bits of OS entropy
+  (:func:`private_entropy`), drawn afresh by every run: an attacker who knows the configuration still has
+  2^128 keys to search. On a CUDA device the noise is drawn on the device by two Philox generators, each
+  keyed afresh for every draw with a 64-bit seed and a 62-bit offset from the stream, and averaged
+  (``(z₁ + z₂)/√2``, 252 bits of key per draw). PCG64DXSM is fast (as fast as torch's own CPU generator
+  here) but not a cryptographic generator: its output is predictable to someone who sees enough of it
+  raw, which a DP adversary never does (they see noisy sums).
+* ``"secure"`` (``privacy.secure_mode``, in the spirit of opacus's secure_mode): every draw comes from the
+  operating system's cryptographic generator (``os.urandom``, ChaCha20 in Linux), and each Gaussian
+  coordinate is the sum of four independent draws divided by two (Holohan and Braghin, 2021), which
+  closes the floating-point attack on a naively sampled Gaussian. It holds no state: a resumed run draws
+  fresh randomness. It costs CPU time (see ``vip bench dp-step``'s ``dp_secure_ratio``).
+
+A public run (the synthetic stage, evaluation) keys the same streams with its config seed, so it is
+deterministic for a given config.
+
+Poisson sampling compares 64-bit integers with ``floor(q · 2^64)``: each example is included with
+probability in ``(q − 2^-64, q]``, never above the ``q`` the accountant is fed.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import secrets
+from fractions import Fraction
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+Mode = Literal["default", "secure"]
+MODES: tuple[str, ...] = ("default", "secure")
+PURPOSES = ("sampling", "noise", "sample")  # ``sample``: per-sample randomness (masks, augmentation)
+ENTROPY_BITS = 128
+_TWO_64 = 1 << 64
+_CHUNK = 1 << 22  # Poisson draws per chunk: bounds the memory of one step's draw over a large data set
+_SECURE_SUMMANDS = 4  # Holohan and Braghin: the sum of 4 N(0, 1/4) draws
+
+
+def private_entropy() -> int:
+    """128 bits of OS entropy: the root key of a private run."""
+    return secrets.randbits(ENTROPY_BITS)
+
+
+class RandomStream:
+    """One independent stream of a run.
+
+    Args:
+        entropy: the run's root entropy (:func:`private_entropy` for a private run; the config seed for
+            a public one).
+        rank: the worker's global rank.
+        purpose: one of ``PURPOSES``.
+        mode: ``"default"`` (PCG64DXSM from a 128-bit key) or ``"secure"`` (the OS CSPRNG).
+    """
+
+    def __init__(self, entropy: int, rank: int, purpose: str, mode: Mode = "default") -> None:
+        if purpose not in PURPOSES:
+            raise ValueError(f"unknown random stream {purpose!r} (known: {', '.join(PURPOSES)})")
+        if mode not in MODES:
+            raise ValueError(f"random mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if entropy < 0:
+            raise ValueError(f"entropy must be >= 0, got {entropy}")
+        self.mode = mode
+        self.purpose = purpose
+        sequence = np.random.SeedSequence(entropy, spawn_key=(rank, PURPOSES.index(purpose)))
+        self._numpy = np.random.Generator(np.random.PCG64DXSM(sequence)) if mode == "default" else None
+
+    # ------------------------------------------------------------------------------------------- draws
+
+    def bits(self, count: int) -> np.ndarray:
+        """``[count]`` uniform uint64."""
+        if self._numpy is None:
+            return np.frombuffer(os.urandom(8 * count), dtype=np.uint64).copy()
+        return self._numpy.integers(0, _TWO_64, size=count, dtype=np.uint64, endpoint=False)
+
+    def uniform(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """Uniform float32 in [0, 1) of ``shape`` (53-bit draws rounded down to float32)."""
+        count = math.prod(shape)
+        unit = (self.bits(count) >> np.uint64(11)).astype(np.float64) * 2.0**-53  # [count] in [0, 1)
+        return torch.from_numpy(unit.astype(np.float32).reshape(shape)).clamp_(max=1.0 - 2.0**-24)
+
+    def poisson_indices(self, population: int, sample_rate: float) -> torch.Tensor:
+        """The indices ``[k]`` (sorted int64) of a Poisson sample of ``range(population)``: each index is kept
+        with probability ``floor(q · 2^64) / 2^64``, within 2^-64 below ``q`` and never above it."""
+        if not 0.0 < sample_rate <= 1.0:
+            raise ValueError(f"sample_rate must lie in (0, 1], got {sample_rate}")
+        threshold = inclusion_threshold(sample_rate)
+        kept = []
+        for start in range(0, population, _CHUNK):
+            count = min(_CHUNK, population - start)
+            draws = self.bits(count)  # draws: [count] uint64
+            hits = np.nonzero(draws < np.uint64(threshold))[0] if threshold < _TWO_64 else np.arange(count)
+            kept.append(hits + start)
+        indices = np.concatenate(kept) if kept else np.zeros(0, dtype=np.int64)
+        return torch.from_numpy(indices.astype(np.int64))
+
+    def normal(self, shape: tuple[int, ...] | torch.Size, std: float, *, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu") -> torch.Tensor:
+        """N(0, std²) of ``shape``, drawn in float32 (or float64) and cast to ``dtype`` on ``device``."""
+        shape = tuple(shape)
+        device = torch.device(device)
+        if self._numpy is not None and device.type == "cuda":
+            return self._cuda_normal(shape, std, device).to(dtype)
+        unit = self._secure_normal(math.prod(shape)) if self._numpy is None else (
+            self._numpy.standard_normal(math.prod(shape), dtype=np.float32))
+        noise = torch.from_numpy(unit).reshape(shape).to(device=device, dtype=torch.float32)
+        return noise.mul_(std).to(dtype)
+
+    def _secure_normal(self, count: int) -> np.ndarray:
+        """``[count]`` float32 N(0, 1): Box-Muller on 53-bit CSPRNG uniforms, four draws summed and halved."""
+        total = np.zeros(count, dtype=np.float64)
+        pairs = (count + 1) // 2
+        for _ in range(_SECURE_SUMMANDS):
+            u1 = ((self.bits(pairs) >> np.uint64(11)).astype(np.float64) + 1.0) * 2.0**-53  # (0, 1]
+            u2 = (self.bits(pairs) >> np.uint64(11)).astype(np.float64) * 2.0**-53  # [0, 1)
+            radius = np.sqrt(-2.0 * np.log(u1))
+            angle = 2.0 * np.pi * u2
+            total += np.concatenate([radius * np.cos(angle), radius * np.sin(angle)])[:count]
+        return (total / math.sqrt(_SECURE_SUMMANDS)).astype(np.float32)
+
+    def _cuda_normal(self, shape: tuple[int, ...], std: float, device: torch.device) -> torch.Tensor:
+        """The mean of two device Philox draws, each keyed afresh by 64 + 62 bits of this stream."""
+        total = None
+        for _ in range(2):
+            seed, offset = (int(v) for v in self.bits(2))
+            generator = torch.Generator(device=device)
+            generator.manual_seed(seed)
+            generator.set_offset((offset >> 2) << 2)  # Philox offsets are multiples of 4
+            draw = torch.randn(shape, generator=generator, device=device, dtype=torch.float32)
+            total = draw if total is None else total.add_(draw)
+        return total.mul_(std / math.sqrt(2.0))
+
+    # ------------------------------------------------------------------------------------------- state
+
+    def state_dict(self) -> dict[str, Any]:
+        """What resuming needs: the PCG state (a secure stream has none; it draws afresh)."""
+        state: dict[str, Any] = {"mode": self.mode, "purpose": self.purpose}
+        if self._numpy is not None:
+            pcg = self._numpy.bit_generator.state
+            state.update(state=str(pcg["state"]["state"]), inc=str(pcg["state"]["inc"]),
+                         has_uint32=int(pcg["has_uint32"]), uinteger=int(pcg["uinteger"]))
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continues the stream saved by :meth:`state_dict`; mode and purpose must match."""
+        if (state.get("mode"), state.get("purpose")) != (self.mode, self.purpose):
+            raise ValueError(f"random stream state is for {state.get('purpose')!r} in mode {state.get('mode')!r}, "
+                             f"not {self.purpose!r} in mode {self.mode!r}")
+        if self._numpy is not None:
+            self._numpy.bit_generator.state = {
+                "bit_generator": "PCG64DXSM",
+                "state": {"state": int(state["state"]), "inc": int(state["inc"])},
+                "has_uint32": int(state["has_uint32"]), "uinteger": int(state["uinteger"]),
+            }
+
+
+def inclusion_threshold(sample_rate: float) -> int:
+    """``floor(q · 2^64)`` computed exactly: a uint64 draw below it has probability within 2^-64 below q."""
+    return math.floor(Fraction(sample_rate) * _TWO_64)
