@@ -90,7 +90,8 @@ def run_pretrain(
 
     Returns:
         ``checkpoint`` (final checkpoint folder), ``steps``, ``epsilon`` (the data set's composed ε; None for
-        the synthetic stage), ``images_per_s``, ``peak_rss_mb`` (largest resident set of any worker) and more.
+        the synthetic stage), ``images_per_s`` and ``peak_rss_mb`` (largest resident set of any worker; both
+        left out of a private stage with ``privacy.log_private_statistics`` off) and more.
     """
     training = stage_training(config, stage)
     output = Path(output)
@@ -161,6 +162,11 @@ def stage_plan(config: VipConfig, stage: str, data: "ShardSet", output: Path, co
     fingerprint, dataset_size = data.fingerprint, sum(data.counts)
     stored = _stored_plan(output) if continuing else None
     run = stored["run"] if stored else uuid.uuid4().hex
+    if stored is not None and stored.get("private") != is_private(config, stage):
+        raise ValueError(f"{output}: resume refused: the run was planned with private={stored.get('private')}, "
+                         f"the configuration now gives {is_private(config, stage)}; choose a new output")
+    if stage == "private" and not config.privacy.enabled:
+        _charge_without_privacy(config, fingerprint, dataset_size, run)
     if is_private(config, stage):
         privacy = _private_plan(config, dataset_size, fingerprint, run, stored)
         plan = {"private": True, "run": run, "dataset_size": dataset_size, "fingerprint": fingerprint,
@@ -201,6 +207,19 @@ def _private_plan(config: VipConfig, dataset_size: int, fingerprint: str, run: s
     with book.locked():
         book.charge(plan.charge(run, STAGES["private"]))
     return plan
+
+
+def _charge_without_privacy(config: VipConfig, fingerprint: str, dataset_size: int, run: str) -> None:
+    """Training on the private data with privacy off spends its whole budget: charged with σ = 0 (ε = ∞), so
+    that no later run on the set can claim a finite ε."""
+    from vip_core.privacy.ledger import Charge, LedgerBook
+
+    log.warning("privacy.enabled is false: the private stage trains on its data without differential privacy; "
+                "the data set's ledger is charged with epsilon = infinity")
+    book = LedgerBook.for_data_set(fingerprint)
+    with book.locked():
+        book.charge(Charge(run, 0.0, min(1.0, config.private.batch_size / dataset_size), config.private.steps,
+                           "pretrain-nonprivate"))
 
 
 def _stored_plan(output: Path) -> dict[str, Any] | None:
@@ -308,8 +327,7 @@ def _summarise(result: Any, loop_config: dict, output: Path, stage: str, run_id:
         "noise_multiplier": privacy.get("noise_multiplier"),
         "sample_rate": plan["sample_rate"],
         "dataset_size": plan["dataset_size"],
-        **{key: metrics[key] for key in ("loss", "images_per_s") if key in metrics},
-        "peak_rss_mb": metrics["peak_rss_mb"],
+        **{key: metrics[key] for key in ("loss", "images_per_s", "peak_rss_mb") if key in metrics},
         "workers": int(metrics["world_size"]),
         "nodes": int(metrics["nodes"]),
         "resumes": int(metrics["resumes"]),
@@ -519,12 +537,14 @@ def report_checkpoint(run: WorkerRun, report: StepReport | None, rank: int, worl
     peak_rss_mb = all_reduce_max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     summary = {
         **run.metrics(report, rank),
-        "peak_rss_mb": peak_rss_mb, "world_size": world, "nodes": len({g["node"] for g in gathered}),
+        "world_size": world, "nodes": len({g["node"] for g in gathered}),
         "resumes": run.resumes,
         "stopped_by_budget": run.step.taken < run.training.steps and not run.step.can_step(),
     }
-    if report is not None and run.logs_private_statistics and run.seconds:
-        summary["images_per_s"] = run.images / run.seconds
+    if run.logs_private_statistics:  # both follow the realised batch sizes
+        summary["peak_rss_mb"] = peak_rss_mb
+        if report is not None and run.seconds:
+            summary["images_per_s"] = run.images / run.seconds
     if rank != 0:
         ray.train.report(summary)
         return

@@ -18,11 +18,13 @@ def test_every_preset_builds_and_survives_a_json_round_trip(name):
     assert validate_config(config.model_dump(mode="json")) == config
 
 
-def test_paper_preset_holds_the_published_recipe_and_no_typed_in_sigma():
+def test_paper_preset_holds_the_published_recipe_and_its_noise():
     config = get_preset("vip-base-paper")
     assert (config.private.batch_size, config.private.steps) == (98_304, 6_000)
     assert config.privacy.target_epsilon == 8.0 and config.privacy.max_grad_norm == 0.1
-    assert config.privacy.noise_multiplier is None and config.privacy.delta is None
+    assert (config.privacy.noise_multiplier, config.privacy.accountant) == (0.48, "rdp")
+    assert config.privacy.delta is None
+    assert get_preset("vip-base").privacy.noise_multiplier is None  # calibrated for the measured N
     assert (config.model.embed_dim, config.model.patch_size, config.model.mask_ratio) == (768, 16, 0.75)
 
 
@@ -64,7 +66,7 @@ def test_unknown_preset_lists_the_known_ones():
 
 
 def test_batch_larger_than_dataset_is_refused_naming_the_field():
-    config = get_preset("vip-base-paper")
+    config = get_preset("vip-base")
     with pytest.raises(ConfigError, match=r"^private\.batch_size: 98304 is larger than the data set \(50000"):
         plan_privacy(config.privacy, dataset_size=50_000, batch_size=config.private.batch_size,
                      steps=config.private.steps, fingerprint="data")

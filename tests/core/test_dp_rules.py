@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import copy
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -397,6 +398,8 @@ def test_rule_6_epsilon_every_step_and_a_stop_before_the_target_would_be_passed(
     ("noise_multiplier", {"noise_multiplier": 0.25}),  # σ/4: would train at σ/4 and account at σ
     ("fingerprint", {"fingerprint": "other-shards-of-the-same-size"}),
     ("batch_size", {"sample_rate": 0.5, "batch_size": 32}),
+    ("steps", {"steps": 40}),  # more steps than the run was charged for, past what later runs left it
+    ("target_epsilon", {"target_epsilon": 1e10}),
     ("delta", {"delta": 1e-2}),
     ("accountant", {"accountant": "pld"}),
 ])
@@ -409,6 +412,16 @@ def test_rule_6_resume_refuses_a_checkpoint_of_another_plan_naming_the_field(fie
     resumed = PrivateStep(nn.Linear(6, 1), other, Schedule(peak_lr=0.1, total_steps=6), physical_batch_size=4)
     with pytest.raises(ValueError, match=f"resume refused: the checkpoint was trained with {field}="):
         resumed.load_state_dict(first.state_dict(), first.stream_state())
+
+
+def test_rule_6_resume_refuses_a_plan_composed_with_other_runs():
+    plan = direct_plan(dataset_size=64, batch_size=16, sigma=1.0, clip=1.0)
+    first = PrivateStep(nn.Linear(6, 1), plan, Schedule(peak_lr=0.1, total_steps=6), physical_batch_size=4)
+    other = PrivacyPlan.from_dict({**plan.to_dict(), "prior": [
+        {"run": "r", "noise_multiplier": 1.0, "sample_rate": 0.5, "steps": 3, "purpose": "pretrain-dp"}]})
+    resumed = PrivateStep(nn.Linear(6, 1), other, Schedule(peak_lr=0.1, total_steps=6), physical_batch_size=4)
+    with pytest.raises(ValueError, match="resume refused: .*0 earlier runs composed in, the plan composes 1"):
+        resumed.load_state_dict(first.state_dict())
 
 
 def test_rule_6_resume_refuses_a_ledger_that_disagrees_with_its_plan():
@@ -437,6 +450,16 @@ def test_rule_6_the_pretraining_driver_refuses_to_resume_on_other_data_or_settin
             writer.write(f"{i:05d}", {"png": encode_image(Image.fromarray(pixels), "png"), "json": {"i": i}})
     with pytest.raises(ValueError, match="resume refused: the run was planned with fingerprint"):
         stage_plan(config, "private", measure_shards(other), output, continuing=True)
+
+
+def test_rule_6_a_private_run_cannot_resume_without_privacy(shards, tmp_path):
+    from tasks.pretrain import stage_plan
+
+    config = tiny_config(**{"privacy.noise_multiplier": None, "privacy.target_epsilon": 8.0})
+    stage_plan(config, "private", measure_shards(shards), tmp_path, continuing=False)
+    with pytest.raises(ValueError, match="resume refused: the run was planned with private=True"):
+        stage_plan(with_overrides(config, {"privacy.enabled": False}), "private", measure_shards(shards), tmp_path,
+                   continuing=True)
 
 
 def test_rule_6_delta_from_the_measured_size_and_a_calibrated_sigma_that_never_overspends(shards):
@@ -481,6 +504,15 @@ def test_rule_8_two_private_steps_of_one_config_never_share_noise_samples_or_mas
         draws.append([step.streams.noise.normal((8,), 1.0), step.sampler.sample(), step.streams.sample.uniform((8,))])
     for first, second in zip(*draws):
         assert not torch.equal(first, second)
+
+
+def test_rule_8_a_secure_plan_draws_every_stream_from_the_os_csprng():
+    plan = PrivacyPlan.from_dict({**direct_plan(dataset_size=64, batch_size=16, sigma=1.0, clip=1.0).to_dict(),
+                                  "secure_mode": True})
+    step = PrivateStep(nn.Linear(6, 1), plan, Schedule(peak_lr=0.1, total_steps=6), physical_batch_size=4)
+    for stream in (step.streams.sampling, step.streams.noise, step.streams.sample):
+        assert stream.mode == "secure" and set(stream.state_dict()) == {"mode", "purpose"}
+    run_steps(step, lambda local, stream: local, regression_problem(), until=2)
 
 
 def test_rule_8_dp_fine_tuning_noise_and_sample_are_not_a_function_of_the_public_config(tmp_path):
@@ -552,11 +584,43 @@ def test_rule_9_dp_fine_tuning_charges_both_encoders_and_reports_the_composed_ep
     sigma, q = first["dp_noise_multiplier"], first["dp_sample_rate"]
     one = compute_epsilon(noise_multiplier=sigma, sample_rate=q, steps=2, delta=first["dp_delta"], accountant="rdp")
     both = compute_epsilon(noise_multiplier=sigma, sample_rate=q, steps=4, delta=first["dp_delta"], accountant="rdp")
-    assert first["dp_epsilon"] == pytest.approx(one) and second["dp_epsilon"] == pytest.approx(both)
+    assert first["dp_epsilon"] == second["dp_epsilon"] == pytest.approx(both)  # what either result may claim
+    assert first["dp_epsilon_after_this_run"] == pytest.approx(one)
+    assert second["dp_epsilon_after_this_run"] == pytest.approx(both)
     assert both <= evaluation.finetune_privacy.target_epsilon
     assert [role for role, _ in job.privacy["runs"]] == ["result", "baseline"]
     with pytest.raises(RuntimeError, match="planned for 2 runs"):
         job(build_encoder(model))
+
+
+def test_rule_9_training_on_the_private_set_without_privacy_spends_its_whole_budget(shards, tmp_path):
+    from tasks.pretrain import stage_plan
+
+    data = measure_shards(shards)
+    config = tiny_config(**{"privacy.noise_multiplier": None, "privacy.target_epsilon": 8.0})
+    stage_plan(with_overrides(config, {"privacy.enabled": False}), "private", data, tmp_path / "plain", False)
+    book = LedgerBook.for_data_set(data.fingerprint)
+    assert book.epsilon(delta=1e-3, accountant="pld") == math.inf
+    with pytest.raises(Exception, match=r"privacy\.target_epsilon: 8\.0 cannot be met.*pretrain-nonprivate"):
+        stage_plan(config, "private", data, tmp_path / "dp", False)
+
+
+def test_rule_9_a_data_set_is_the_same_set_whatever_its_shards_or_folders_are_called(shards, tmp_path):
+    from vip_core.eval.datasets import open_classification
+    from vip_core.eval.dp_finetune import dataset_fingerprint
+    from tasks.demo_data import make_digits_imagefolder
+
+    renamed = tmp_path / "renamed"
+    renamed.mkdir()
+    for index, shard in enumerate(measure_shards(shards).shards):
+        (renamed / f"other-name-{index:06d}.tar").write_bytes(shard.read_bytes())
+    assert measure_shards(renamed).fingerprint == measure_shards(shards).fingerprint
+    folder = tmp_path / "digits"
+    make_digits_imagefolder(folder, img_size=32, per_class=3)
+    (tmp_path / "link").symlink_to(folder)
+    ways = [folder, tmp_path / "link", Path(os.path.relpath(folder))]
+    prints = {dataset_fingerprint(open_classification(way).split("train", 32)) for way in ways}
+    assert len(prints) == 1
 
 
 # ------------------------------------------------------------------------------------------------ rule 10

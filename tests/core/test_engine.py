@@ -326,6 +326,73 @@ def test_a_plain_parameter_broadcast_along_tokens_is_refused_by_name_when_the_sh
                              noise_multiplier=0.0, expected_batch_size=2)
 
 
+class SequenceFirst(nn.Module):
+    """A Linear run on ``[T, B, D]``: its input's dim 0 is the token, not the sample."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):  # x: [B, T, D]
+        return self.fc(x.transpose(0, 1)).transpose(0, 1).square().mean((1, 2))  # [B]
+
+
+class FlattenedTokens(SequenceFirst):
+    def forward(self, x):  # x: [B, T, D], the Linear sees [B*T, D]
+        return self.fc(x.reshape(-1, 4)).reshape(x.shape).square().mean((1, 2))  # [B]
+
+
+def test_a_layer_run_sequence_first_is_refused_even_when_the_shapes_fit():
+    # B = T = 4: every shape fits, and the rules would take token t for sample t.
+    with pytest.raises(UnsupportedLayerError, match="layer 'fc'.*batch on dim 0"):
+        engine_grads(SequenceFirst(), lambda m, x: m(x), torch.randn(4, 4, 4), 1.0)
+
+
+def test_a_layer_run_on_flattened_tokens_is_refused_in_microbatches_of_one():
+    with pytest.raises(UnsupportedLayerError, match="layer 'fc' ran on an input of 3 rows .* microbatch of 1"):
+        engine_grads(FlattenedTokens(), lambda m, x: m(x), torch.randn(2, 3, 4), 1.0, physical=1)
+
+
+class GatedOffset(nn.Module):
+    """A ``[1, D]`` offset added along the positions, used only when every sample's first feature is positive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.offset = nn.Parameter(torch.randn(1, 4))
+
+    def forward(self, x):  # x: [B, T, D]
+        h = self.proj(x)
+        if bool((x[:, 0, 0] > 0).all()):
+            h = h + self.offset
+        return h.square().mean((1, 2))  # [B]
+
+
+def test_a_plain_parameter_unused_in_the_first_microbatch_is_checked_when_it_is_used():
+    model = GatedOffset()
+    engine_grads(model, lambda m, x: m(x), -torch.rand(3, 3, 4), 1.0)  # the offset does not reach the loss
+    with pytest.raises(UnsupportedLayerError, match="'offset'"):
+        engine_grads(model, lambda m, x: m(x), torch.rand(3, 3, 4) + 0.1, 1.0)
+
+
+@pytest.mark.parametrize("scale", [1e2, 1e3, 1e4])
+@pytest.mark.parametrize("cancel", [1e-3, 1e-5, 3e-6])
+def test_a_sample_whose_tokens_cancel_is_still_clipped_to_c(monkeypatch, scale, cancel):
+    """Two equal tokens with almost opposite output gradients: the float32 ghost norm alone can round to 0 and
+    leave the sample unclipped (its true norm here reaches 7e4); with the rounding bound it never exceeds C."""
+    monkeypatch.setattr(per_sample, "materialise_is_cheaper", lambda *args: False)
+    torch.manual_seed(0)
+    layer, direction = nn.Linear(256, 256, bias=False), torch.randn(256)
+    tokens = (torch.randn(1, 1, 256) * scale).expand(1, 2, 256).clone()  # [1, 2, 256]: the same token twice
+    weights = torch.stack([direction, -(1 + cancel) * direction])  # [2, 256]
+
+    def loss(model, x):
+        return (model(x) * weights).sum((1, 2)) * scale  # [1]
+
+    grads = engine_grads(layer, loss, tokens, 1.0)
+    assert float(grads[0].norm()) <= 1.0 + 1e-4
+
+
 def test_a_loss_that_is_not_per_sample_is_refused():
     with pytest.raises(ValueError, match="one loss per sample"):
         privatized_gradients(

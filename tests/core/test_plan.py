@@ -20,8 +20,16 @@ def stage_plan(config, dataset_size: int, **extra) -> PrivacyPlan:
                         steps=config.private.steps, fingerprint="data", **extra)
 
 
-def test_paper_preset_gets_sigma_calibrated_to_epsilon_eight_for_the_measured_size():
-    config = get_preset("vip-base-paper")
+def test_paper_preset_keeps_the_papers_noise_and_reports_its_rdp_epsilon():
+    plan = stage_plan(get_preset("vip-base-paper"), PAPER_N)
+    assert plan.noise_multiplier == 0.48 and plan.accountant == "rdp"
+    assert plan.epsilon == pytest.approx(7.99, abs=0.01)  # the paper's ε = 8
+    pld = compute_epsilon(noise_multiplier=0.48, sample_rate=plan.sample_rate, steps=plan.steps, delta=plan.delta)
+    assert pld == pytest.approx(6.83, abs=0.01)
+
+
+def test_base_preset_gets_sigma_calibrated_to_epsilon_eight_for_the_measured_size():
+    config = get_preset("vip-base")
     assert config.privacy.noise_multiplier is None  # not typed in
     plan = stage_plan(config, PAPER_N)
     assert plan.sample_rate == pytest.approx(98_304 / PAPER_N)

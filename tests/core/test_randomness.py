@@ -70,6 +70,32 @@ def test_uniform_draws_lie_in_the_unit_interval_and_are_flat(mode):
     assert draws.var().item() == pytest.approx(1 / 12, rel=0.02)
 
 
+def test_secure_gaussians_are_four_box_muller_draws_from_the_csprng_summed_and_halved(monkeypatch):
+    """The floating-point mitigation itself, on known CSPRNG bytes: N(0,1) = (z₁ + z₂ + z₃ + z₄) / 2."""
+    import numpy as np
+
+    from vip_core.privacy import randomness
+
+    source = np.random.default_rng(0)
+    supplied = []
+
+    def known_bytes(count: int) -> bytes:
+        supplied.append(source.bytes(count))
+        return supplied[-1]
+
+    monkeypatch.setattr(randomness.os, "urandom", known_bytes)
+    got = RandomStream(0, 0, "noise", "secure").normal((6,), 1.0, dtype=torch.float64)
+    words = [np.frombuffer(chunk, dtype=np.uint64) for chunk in supplied]
+    assert len(words) == 8  # four summands, two uniforms each
+    expected = np.zeros(6)
+    for u1_bits, u2_bits in zip(words[0::2], words[1::2]):
+        u1 = ((u1_bits >> np.uint64(11)).astype(np.float64) + 1.0) * 2.0**-53
+        u2 = (u2_bits >> np.uint64(11)).astype(np.float64) * 2.0**-53
+        radius = np.sqrt(-2.0 * np.log(u1))
+        expected += np.concatenate([radius * np.cos(2 * np.pi * u2), radius * np.sin(2 * np.pi * u2)])
+    assert np.allclose(got.numpy(), (expected / 2).astype(np.float32), rtol=1e-6)
+
+
 def test_secure_mode_has_no_state_and_never_repeats_itself():
     a, b = RandomStream(1, 0, "noise", "secure"), RandomStream(1, 0, "noise", "secure")
     assert first_draws(a) != first_draws(b)  # the key is not used: every draw is the OS CSPRNG's

@@ -13,6 +13,7 @@ covers the fine-tuning data; pre-training data has its own.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -36,11 +37,14 @@ FIELD = "evaluation.finetune_privacy"
 
 
 def dataset_fingerprint(dataset: Dataset) -> str:
-    """The fingerprint of a file-backed data set (each file's path, size and label), or of its size."""
+    """The fingerprint of a file-backed data set: each file's path inside the split's folder (so that the same
+    folder reached by another path, or a link, is the same set), size and label; else of its length."""
     samples = getattr(dataset, "samples", None)
     if samples is None:
         return fingerprint_of([(type(dataset).__name__, 0, len(dataset))])
-    return fingerprint_of([(str(path), path.stat().st_size, int(label)) for path, label in samples])
+    root = Path(dataset.split_dir)
+    return fingerprint_of([(path.relative_to(root).as_posix(), path.stat().st_size, int(label))
+                           for path, label in samples])
 
 
 def plan_dp_finetune(private: FinetunePrivacyConfig, train: Dataset, runs: Sequence[str],

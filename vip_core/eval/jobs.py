@@ -108,7 +108,11 @@ def _finetune(data: Path, evaluation: EvaluationConfig, model: ModelConfig, devi
 
 def _dp_finetune_job(train, val, num_classes: int, settings: FinetuneSettings, evaluation: EvaluationConfig,
                      device: torch.device, runs: Sequence[str]) -> Job:
-    """DP fine-tuning of each encoder in turn, every run charged to the set's ledger before the first starts."""
+    """DP fine-tuning of each encoder in turn, every run charged to the set's ledger before the first starts.
+
+    ``dp_epsilon`` is the set's ε once every planned run is taken (the ε to report for any of them);
+    ``dp_epsilon_after_this_run`` is the ledger's value when this run ended.
+    """
     from vip_core.eval.dp_finetune import dp_finetune, plan_dp_finetune
 
     job_id = uuid.uuid4().hex[:12]
@@ -126,7 +130,8 @@ def _dp_finetune_job(train, val, num_classes: int, settings: FinetuneSettings, e
                               earlier_runs=len(taken))
         taken.append(run_ids[len(taken)])
         return {**evaluate_classifier(classifier, val, evaluation.batch_size, device), "chance_top1": 1 / num_classes,
-                "dp_epsilon": epsilon, "dp_delta": plan.delta, "dp_noise_multiplier": plan.noise_multiplier,
+                "dp_epsilon": plan.epsilon, "dp_epsilon_after_this_run": epsilon, "dp_delta": plan.delta,
+                "dp_noise_multiplier": plan.noise_multiplier,
                 "dp_sample_rate": plan.sample_rate, "dp_steps": float(plan.steps),
                 "dp_max_grad_norm": plan.max_grad_norm, "dp_runs_charged": float(len(run_ids))}
 

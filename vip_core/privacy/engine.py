@@ -17,12 +17,14 @@ Plain parameters of shape ``[1, ...]`` (cls/mask tokens, learnt position embeddi
 the forward by a per-sample stand-in ``[B, ...]`` whose gradient is per sample.
 
 What is refused, with an error naming the layer: a trainable parameter of any other layer type, a plain
-parameter whose leading dimension is not 1, a plain parameter broadcast along another dimension than the
-batch (a ``[1, D]`` parameter added to ``[B, T, D]``: its stand-in would mix samples; checked once per model
-on its first microbatch of two or more samples, with one extra forward and two backward passes, so a loss
-function is called once more than there are microbatches then), batch normalisation in training mode (it
-mixes samples), a supported layer whose weight is also used outside its own forward (tied weights), an
-``Embedding`` with ``scale_grad_by_freq`` or ``sparse``, a layer input modified in place after the layer ran.
+parameter whose leading dimension is not 1, a layer whose input or output does not have the microbatch on
+dim 0, a model in which a layer's output row or a plain parameter's stand-in row reaches another sample's
+loss (a sequence-first layout; a ``[1, D]`` parameter added to ``[B, T, D]``, which would mix samples
+silently when B = T: checked on the first microbatches of two or more samples until every layer and
+parameter was reached, each check one extra forward and two backward passes, so a loss function is called
+once more than there are microbatches then), batch normalisation in training mode (it mixes samples), a
+supported layer whose weight is also used outside its own forward (tied weights), an ``Embedding`` with
+``scale_grad_by_freq`` or ``sparse``, a layer input modified in place after the layer ran.
 """
 
 from __future__ import annotations
@@ -333,7 +335,8 @@ class _Capture(torch.autograd.Function):
 class _Tape:
     """Forward hooks on the supported layers that keep each call's input and route its output gradient."""
 
-    def __init__(self, plan: ModelPlan) -> None:
+    def __init__(self, plan: ModelPlan, batch: int) -> None:
+        self.batch = batch
         self.anchor = torch.zeros((), requires_grad=True)
         self.rules: list[tuple[nn.Module, Rule]] = [(m, factory(n, m)) for n, m, factory in plan.layers]
         self.handles: list[Any] = []
@@ -351,7 +354,13 @@ class _Tape:
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor | None:
             if not (torch.is_grad_enabled() and output.requires_grad):
                 return None
-            call = _Call(rule, (args[0] if args else kwargs["input"]).detach())
+            layer_input = (args[0] if args else kwargs["input"]).detach()
+            if layer_input.shape[0] != self.batch or output.shape[0] != self.batch:
+                raise UnsupportedLayerError(
+                    f"layer '{rule.name}' ran on an input of {layer_input.shape[0]} rows (output {output.shape[0]}) "
+                    f"in a microbatch of {self.batch} samples: per-sample clipping needs the batch on dim 0"
+                )
+            call = _Call(rule, layer_input)
             captured = _capture(output, self.anchor, module, call.receive)
             if rule.uses_output:
                 call.keep_output(captured.detach())
@@ -403,8 +412,8 @@ def _add_microbatch(
     """Adds the clipped per-sample gradients of one microbatch to ``sums``."""
     batch = batch_size_of(inputs)
     device = plan.params[0].device if plan.params else torch.device("cpu")
-    _verify_stand_ins(plan, model, loss_fn, inputs, batch)
-    with _Tape(plan) as tape:
+    _verify_per_sample_layout(plan, model, loss_fn, inputs, batch)
+    with _Tape(plan, batch) as tape:
         stand_ins = _stand_ins(plan, batch)
         losses = _losses(model, loss_fn, inputs, stand_ins, batch)
     plain_rules = [PlainRule(name, param) for name, param in plan.plain]
@@ -442,38 +451,66 @@ def _stand_ins(plan: ModelPlan, batch: int) -> dict[str, torch.Tensor]:
     return {name: p.detach().expand(batch, *p.shape[1:]).requires_grad_() for name, p in plan.plain}
 
 
-def _verify_stand_ins(plan: ModelPlan, model: nn.Module, loss_fn: LossFn, inputs: Inputs, batch: int) -> None:
-    """Refuses a model in which a plain parameter's stand-in row reaches another sample's loss.
+def _verify_per_sample_layout(plan: ModelPlan, model: nn.Module, loss_fn: LossFn, inputs: Inputs, batch: int) -> None:
+    """Refuses a model in which a layer's output row or a plain parameter's stand-in row reaches another
+    sample's loss: the rules take row i of every hooked layer's input and output, and of every stand-in, to
+    be sample i's, and a model that lays its samples out otherwise (sequence-first, a ``[1, D]`` parameter
+    added to ``[B, T, D]``) would have its samples mixed, silently when the shapes happen to fit.
 
-    A ``[1, ...]`` parameter is clipped per sample through its stand-in, which is right only if the model
-    broadcasts the parameter against the batch dimension. One used along another dimension (a ``[1, D]``
-    parameter added to ``[B, T, D]``) would mix samples, silently when B = T. Checked once per model, on its
-    first microbatch of two or more samples: the gradients of the first and the last sample's loss must be
-    exactly zero in every other sample's stand-in row.
+    Checked on a model's microbatches of two or more samples until every layer and plain parameter was
+    reached once: the gradients of the first and the last sample's loss must be exactly zero in every other
+    sample's rows. A microbatch whose checked loss is not finite proves nothing and is passed over.
     """
-    names = frozenset(name for name, _ in plan.plain)
-    if batch < 2 or names <= _VERIFIED_PLAIN.get(model, frozenset()):
+    verified = _VERIFIED_LAYOUT.setdefault(model, set())
+    names = {name for name, _ in plan.plain} | {name for name, _, _ in plan.layers}
+    if batch < 2 or names <= verified:
         return
     stand_ins = _stand_ins(plan, batch)
-    losses = _losses(model, loss_fn, inputs, stand_ins, batch)
+    outputs: list[tuple[str, torch.Tensor]] = []
+    handles = [module.register_forward_hook(_keep_output(name, outputs)) for name, module, _ in plan.layers]
+    try:
+        losses = _losses(model, loss_fn, inputs, stand_ins, batch)
+    finally:
+        for handle in handles:
+            handle.remove()
+    watched = [*stand_ins.items(), *outputs]
+    reached = {name: 0 for name, _ in watched}
     for sample in sorted({0, batch - 1}):
-        if not losses[sample].requires_grad:
-            continue
-        grads = torch.autograd.grad(losses[sample], list(stand_ins.values()), retain_graph=True, allow_unused=True)
-        for (name, param), grad in zip(plan.plain, grads):
+        if not (losses[sample].requires_grad and bool(torch.isfinite(losses[sample]))):
+            return
+        grads = torch.autograd.grad(losses[sample], [t for _, t in watched], retain_graph=True, allow_unused=True)
+        for (name, tensor), grad in zip(watched, grads):
             if grad is None:
                 continue
             others = torch.cat([grad[:sample], grad[sample + 1:]])
-            if bool((others.nan_to_num() != 0).any()):
-                raise UnsupportedLayerError(
-                    f"plain parameter '{name}' {list(param.shape)} is not broadcast against the batch alone: "
-                    f"sample {sample}'s loss reaches other samples' copies of it, so its per-sample gradient "
-                    "would mix samples (e.g. a [1, D] parameter added to [B, T, D]); give it shape [1, 1, D]"
-                )
-    _VERIFIED_PLAIN[model] = names | _VERIFIED_PLAIN.get(model, frozenset())
+            if bool(others.isnan().any()):
+                return
+            if bool((others != 0).any()):
+                raise UnsupportedLayerError(_mixing_message(name, stand_ins, sample))
+            reached[name] += 1
+    verified.update(name for name, count in reached.items() if count == len({0, batch - 1}))
 
 
-_VERIFIED_PLAIN: "weakref.WeakKeyDictionary[nn.Module, frozenset[str]]" = weakref.WeakKeyDictionary()
+def _keep_output(name: str, outputs: list[tuple[str, torch.Tensor]]) -> Callable:
+    def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            outputs.append((name, output))
+
+    return hook
+
+
+def _mixing_message(name: str, stand_ins: dict[str, torch.Tensor], sample: int) -> str:
+    if name in stand_ins:
+        shape = [1, *stand_ins[name].shape[1:]]
+        return (f"plain parameter '{name}' {shape} is not broadcast against the batch alone: sample {sample}'s loss "
+                "reaches other samples' copies of it, so its per-sample gradient would mix samples (e.g. a [1, D] "
+                "parameter added to [B, T, D]); give it shape [1, 1, D]")
+    return (f"layer '{name}': sample {sample}'s loss reaches other rows of the layer's output, so dim 0 is not the "
+            "sample (a sequence-first or flattened layout); per-sample clipping needs the batch on dim 0")
+
+
+_VERIFIED_LAYOUT: "weakref.WeakKeyDictionary[nn.Module, set[str]]" = weakref.WeakKeyDictionary()
+
 
 
 def _losses(

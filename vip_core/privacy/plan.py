@@ -22,10 +22,11 @@ from vip_core.privacy.ledger import Charge, LedgerBook, PrivacyLedger, compose
 
 log = logging.getLogger(__name__)
 
-# What a resumed run must share with the run it continues, or its ledger would not describe its steps;
-# causes before consequences (a new batch size changes q, which changes a calibrated σ).
-RESUME_FIELDS = ("dataset_size", "fingerprint", "batch_size", "sample_rate", "delta", "accountant",
-                 "max_grad_norm", "noise_multiplier", "secure_mode")
+# What a resumed run must share with the run it continues, or its ledger would not describe its steps (and
+# the steps it was charged for would not be the steps it takes); causes before consequences (a new batch
+# size changes q, which changes a calibrated σ).
+RESUME_FIELDS = ("dataset_size", "fingerprint", "batch_size", "sample_rate", "steps", "runs", "target_epsilon",
+                 "delta", "accountant", "max_grad_norm", "noise_multiplier", "secure_mode")
 
 
 class PrivacyBudget(Protocol):
@@ -94,10 +95,14 @@ class PrivacyPlan:
         return cls(**{**data, "prior": tuple(Charge(**c) for c in data.get("prior", ()))})
 
     def mismatch(self, other: dict[str, Any]) -> str | None:
-        """The first of ``RESUME_FIELDS`` whose value in ``other`` differs, as ``"field=theirs, plan gives ours"``."""
+        """The first of ``RESUME_FIELDS`` (then the other runs composed in) whose value in ``other`` differs,
+        as ``"field=theirs, the plan gives ours"``."""
         for field in RESUME_FIELDS:
             if other.get(field) != getattr(self, field):
                 return f"{field}={other.get(field)!r}, the plan gives {getattr(self, field)!r}"
+        theirs = tuple(Charge(**charge) for charge in other.get("prior", ()))
+        if theirs != self.prior:
+            return f"{len(theirs)} earlier runs composed in, the plan composes {len(self.prior)}"
         return None
 
 
@@ -190,7 +195,7 @@ def settle_charge(book: LedgerBook, plan: PrivacyPlan, run: str, purpose: str, s
 
 
 def fingerprint_of(entries: Sequence[tuple[str, int, int]]) -> str:
-    """A data set's fingerprint: SHA-256 of its ``(name, bytes, examples)`` entries (shards or files), in order."""
+    """A data set's fingerprint: SHA-256 of its ``(name, bytes, label)`` entries (files), in order."""
     digest = hashlib.sha256(json.dumps([list(entry) for entry in entries]).encode())
     return digest.hexdigest()[:32]
 

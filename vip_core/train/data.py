@@ -144,10 +144,10 @@ class ShardSet(NamedTuple):
     Attributes:
         shards: the complete shards, in order.
         counts: the number of images in each (the measured N is the sum).
-        fingerprint: a digest of every shard's name and size, of where each image lies in it (offset and
-            length in a tar, row group and row in a parquet file) and of the shard's first and last 64 KiB: it
-            names the data set's privacy ledger and ties a resumed run to its data. Two data sets share it
-            only if they agree in all of that.
+        fingerprint: a digest of every shard's size, of where each image lies in it (offset and length in a
+            tar, row group and row in a parquet file) and of the shard's first and last 64 KiB, in order (not
+            of the shards' names or paths: renamed or moved shards are the same data set): it names the data
+            set's privacy ledger and ties a resumed run to its data.
     """
 
     shards: list[Path]
@@ -166,7 +166,7 @@ def measure_shards(folder: str | Path) -> ShardSet:
     for shard in shards:
         locations = image_locations(shard)
         counts.append(len(locations))
-        digest.update(json.dumps([shard.name, shard.stat().st_size, [_layout(loc) for loc in locations]]).encode())
+        digest.update(json.dumps([shard.stat().st_size, [_layout(loc) for loc in locations]]).encode())
         digest.update(_ends(shard))
     return ShardSet(shards, counts, digest.hexdigest()[:32])
 

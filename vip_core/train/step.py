@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from vip_core.privacy.engine import ClippedGradientSum, Inputs, split_batch
+from vip_core.privacy.ledger import PrivacyLedger
 from vip_core.privacy.optimizer import dp_adamw, set_learning_rate
 from vip_core.privacy.plan import PrivacyPlan
 from vip_core.privacy.randomness import Mode, RandomStream, private_entropy
@@ -215,8 +216,9 @@ class PrivateStep(TrainingStep):
         """Continues a checkpointed run of the same plan.
 
         Raises:
-            ValueError: the checkpoint's plan or ledger differs from this plan in σ, q, δ, accountant, N,
-                the data's fingerprint, C, B or the random mode (the message names the field).
+            ValueError: the checkpoint's plan or ledger differs from this plan in N, the data's fingerprint, B,
+                q, steps, runs, target, δ, accountant, C, σ, random mode or the other runs composed in (the
+                message names the field).
         """
         mismatch = self.plan.mismatch(state.get("plan") or {})
         if mismatch is None:
@@ -224,6 +226,8 @@ class PrivateStep(TrainingStep):
             mismatch = next((f"ledger {field}={ledger.get(field)!r}, the plan gives {getattr(self.plan, field)!r}"
                              for field in ("noise_multiplier", "sample_rate", "delta", "accountant")
                              if ledger.get(field) != getattr(self.plan, field)), None)
+            if mismatch is None and PrivacyLedger.from_state_dict(ledger).prior != self.plan.prior:
+                mismatch = "a ledger composed with other runs than the plan's"
         if mismatch is not None:
             raise ValueError(f"resume refused: the checkpoint was trained with {mismatch}")
         super().load_state_dict(state, stream_state)
