@@ -7,9 +7,9 @@ from prefect import flow
 from flows.caching import stage_folder
 from flows.pipeline import default_workdir
 from flows.stages import flow_tracking, ingest, run_fresh_if_missing
-from tasks import tracking
+from tasks.runtime import tracking
 from vip_core.config import VipConfig, tiny
-from vip_core.env import configure_environment
+from tasks.runtime.environment import configure_environment
 
 
 @flow(name="vip-ingest", log_prints=True)

@@ -24,9 +24,9 @@ from flows.caching import stage_folder
 from flows.stages import (
     audit, evaluate, flow_tracking, ingest, local_ray, pretrain, register_encoder, render, run_fresh_if_missing,
 )
-from tasks import results, tracking
+from tasks.runtime import results, tracking
 from vip_core.config import VipConfig, tiny, with_overrides
-from vip_core.env import configure_environment, state_paths
+from tasks.runtime.environment import configure_environment, state_paths
 
 FLOW_NAME = "vip-pipeline"
 EVAL_THREADS = 4

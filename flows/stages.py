@@ -19,7 +19,7 @@ from prefect.artifacts import create_link_artifact
 from prefect.runtime import flow_run
 
 from flows.caching import digest, fingerprint, stage_cache_key
-from tasks import tracking
+from tasks.runtime import tracking
 from vip_core.config import VipConfig
 
 PRETRAIN_STAGES = {"synthetic": "pretrain-syn", "private": "pretrain-dp"}
@@ -37,7 +37,7 @@ def _options(stage: Any, retries: int, retry_delay_seconds: float) -> dict[str, 
 @task(name="ingest", **_options("ingest", retries=2, retry_delay_seconds=10))
 def ingest(config: VipConfig, url_list: str, output: str, eval_images: str | None, parent_run_id: str | None) -> dict:
     """Web images: download the url list, filter, deduplicate, decontaminate against ``eval_images``."""
-    from tasks.ingest import run_ingest
+    from tasks.stages.ingest import run_ingest
 
     with tracking.stage_run(parent_run_id, "ingest", config) as run_id:
         stats = run_ingest(config, url_list, output, eval_images=eval_images)
@@ -48,7 +48,7 @@ def ingest(config: VipConfig, url_list: str, output: str, eval_images: str | Non
 @task(name="render", **_options("render", retries=1, retry_delay_seconds=5))
 def render(config: VipConfig, output: str, parent_run_id: str | None) -> dict:
     """Synthetic images rendered from the procedural shader programs."""
-    from tasks.render import run_render
+    from tasks.stages.render import run_render
 
     with tracking.stage_run(parent_run_id, "render", config) as run_id:
         stats = in_fresh_process(run_render, config, output)
@@ -97,7 +97,7 @@ def evaluate(config: VipConfig, task: str, checkpoint: str, data: str, output: s
 
     The job logs its own child run (``eval-<task>``) under ``parent_run_id``.
     """
-    from tasks.evaluate import run_evaluation
+    from tasks.stages.eval import run_evaluation
 
     return run_evaluation(config, task, checkpoint, data, output, mlflow_run_id=parent_run_id)
 
@@ -155,7 +155,7 @@ def local_ray(config: VipConfig) -> Iterator[dict]:
     Joins ``RAY_ADDRESS`` when set, else starts a local Ray sized for the larger stage. The stages find it
     running and join it, rather than each starting and stopping its own from a task thread.
     """
-    from tasks.ray_runtime import ray_session
+    from tasks.runtime.ray_session import ray_session
 
     stages = (config.synthetic, config.private)
     with ray_session(max(s.num_workers for s in stages), max(s.cpus_per_worker for s in stages)) as ray_info:

@@ -7,6 +7,6 @@ import tempfile
 
 os.environ["VIP_HOME"] = tempfile.mkdtemp(prefix="vip-test-home-")
 
-from vip_core.env import configure_environment  # noqa: E402
+from tasks.runtime.environment import configure_environment  # noqa: E402
 
 configure_environment()

@@ -59,7 +59,7 @@ def handle_bench_ingest(args: argparse.Namespace) -> int:
 
 def bench_ingest(args: argparse.Namespace) -> dict[str, Any]:
     """Best-of-``repeats`` images/s of img2dataset alone and of the stage on one url list; the overhead."""
-    from tasks.demo_web import laion_row, photo_path, sample_photo, write_url_list
+    from tasks.fixtures.web import laion_row, photo_path, sample_photo, write_url_list
     from vip_core.config import get_preset, with_overrides
 
     settings = {
@@ -98,7 +98,7 @@ def bench_ingest(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _time_img2dataset(config: Any, url_list: Path, folder: Path) -> float:
-    from tasks.ingest import finish_process, img2dataset_arguments, start_img2dataset, write_img2dataset_input
+    from tasks.stages.ingest import finish_process, img2dataset_arguments, start_img2dataset, write_img2dataset_input
     from vip_core.data.urllist import read_url_list
 
     started = time.perf_counter()
@@ -114,7 +114,7 @@ def _time_img2dataset(config: Any, url_list: Path, folder: Path) -> float:
 
 
 def _time_stage(config: Any, url_list: Path, folder: Path, eval_folder: Path) -> float:
-    from tasks.ingest import run_ingest
+    from tasks.stages.ingest import run_ingest
 
     started = time.perf_counter()
     stats = run_ingest(config, url_list, folder, eval_images=eval_folder)
@@ -142,7 +142,7 @@ def _serve_in_process(root: Path, count: int, max_side: int) -> tuple[str, Any]:
 def _serve(root: str, count: int, max_side: int, ready: Any) -> None:
     import threading
 
-    from tasks.demo_web import SampleWeb, photo_path
+    from tasks.fixtures.web import SampleWeb, photo_path
 
     web = SampleWeb(root, max_side=max_side)
     for index in range(count):

@@ -98,7 +98,7 @@ def _bare_rate(config: Any) -> tuple[float, str]:
 
 def _stage_rate(config: Any) -> float:
     """Images/s of the whole render stage into a fresh folder."""
-    from tasks.render import run_render
+    from tasks.stages.render import run_render
 
     with tempfile.TemporaryDirectory(prefix="vip-bench-render-") as folder:
         started = time.perf_counter()

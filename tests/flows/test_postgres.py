@@ -18,7 +18,8 @@ import pytest
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from flows.render import render_flow
-from tasks import services, tracking
+from flows.app import servers
+from tasks.runtime import tracking
 from vip_core.config import tiny, with_overrides
 
 pytestmark = pytest.mark.slow
@@ -39,7 +40,7 @@ def postgres(system_programs) -> Iterator[str]:
     folder = Path(tempfile.mkdtemp(prefix="vip-pg-"))
     if os.geteuid() == 0:
         shutil.chown(folder, "postgres", "postgres")
-    port = services.free_port()
+    port = servers.free_port()
     data, log = folder / "data", folder / "server.log"
     subprocess.run(_as_postgres([str(bin_dir / "initdb"), "-D", str(data), "-U", USER, "--auth=trust"]),
                    check=True, capture_output=True)
@@ -72,13 +73,13 @@ def _rows(address: str, database: str, query: str, *parameters) -> list[tuple]:
 
 def test_a_flow_run_is_recorded_in_postgresql_by_both_servers(postgres, tmp_path, monkeypatch):
     artifacts = tmp_path / "mlflow-artifacts"
-    prefect = services.start_prefect_server(
-        port=services.free_port(), database_url=f"postgresql+asyncpg://{USER}@{postgres}/prefect", log_dir=tmp_path)
-    with services.running(prefect):
-        mlflow = services.start_mlflow_server(
-            port=services.free_port(), backend_store_uri=f"postgresql+psycopg2://{USER}@{postgres}/mlflow",
+    prefect = servers.start_prefect_server(
+        port=servers.free_port(), database_url=f"postgresql+asyncpg://{USER}@{postgres}/prefect", log_dir=tmp_path)
+    with servers.running(prefect):
+        mlflow = servers.start_mlflow_server(
+            port=servers.free_port(), backend_store_uri=f"postgresql+psycopg2://{USER}@{postgres}/mlflow",
             artifacts_destination=str(artifacts), log_dir=tmp_path)
-        with services.running(mlflow):
+        with servers.running(mlflow):
             monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow.url)
             with temporary_settings({PREFECT_API_URL: f"{prefect.url}/api"}):
                 state = render_flow(config=with_overrides(tiny(), {"data.render.num_images": 32}),
