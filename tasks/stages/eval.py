@@ -13,10 +13,7 @@ Evaluation data is public: the privacy guarantee of pre-training covers the pre-
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -24,6 +21,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from tasks.runtime.folders import StageFolder, fingerprint
 from vip_core.config import ModelConfig, VipConfig, validate_config
 
 logger = logging.getLogger(__name__)
@@ -53,29 +51,28 @@ def run_evaluation(config: VipConfig, task: str, checkpoint: str | None, data: s
         FileNotFoundError: a missing checkpoint or dataset path.
         ValueError: an unknown task, malformed data or a bad setting (one line naming it).
     """
-    output_dir = Path(output)
     model_config = _model_config(config, checkpoint)
-    fingerprint = _fingerprint(config, model_config, task, checkpoint, data)
-    metrics = _stored_metrics(output_dir, fingerprint)
+    folder = StageFolder(output, f"eval/{task}", _fingerprint(config, model_config, task, checkpoint, data),
+                         result_name=METRICS_FILE)
+    metrics = folder.stored_result()
     if metrics is None:
-        metrics = _evaluate(config, model_config, task, checkpoint, data)
-        metrics["fingerprint"] = fingerprint
-        _write_json(output_dir / METRICS_FILE, metrics)
+        metrics = folder.store_result(_evaluate(config, model_config, task, checkpoint, data, folder))
     else:
-        logger.info("%s: metrics for these inputs already in %s", task, output_dir / METRICS_FILE)
+        logger.info("%s: metrics for these inputs already in %s", task, folder.result_file)
     if mlflow_run_id:
-        log_child_run(mlflow_run_id, config, task, metrics, output_dir / METRICS_FILE)
+        log_child_run(mlflow_run_id, config, task, metrics, folder.result_file)
     return metrics
 
 
-def _evaluate(config: VipConfig, model_config: ModelConfig, task: str, checkpoint: str | None,
-              data: str) -> dict[str, Any]:
-    """The job on each encoder, timed; the data is checked before any encoder is built."""
+def _evaluate(config: VipConfig, model_config: ModelConfig, task: str, checkpoint: str | None, data: str,
+              folder: StageFolder) -> dict[str, Any]:
+    """The job on each encoder, timed; the data is checked before the folder is claimed or an encoder built."""
     from vip_core.eval.features import default_device
     from vip_core.eval.jobs import prepare_job
 
     device = default_device()
     job = prepare_job(task, data, config.evaluation, model_config, device)
+    folder.claim()
     encoders = _encoders(config, model_config, checkpoint)
     metrics: dict[str, Any] = {"task": task, "checkpoint": None if checkpoint is None else str(checkpoint),
                                "data": str(data), "device": str(device)}
@@ -118,36 +115,15 @@ def _encoders(config: VipConfig, model_config: ModelConfig, checkpoint: str | No
     return {"result": lambda: load_encoder(checkpoint, model_config), "baseline": random_init}
 
 
-def _fingerprint(config: VipConfig, model_config: ModelConfig, task: str, checkpoint: str | None, data: str) -> str:
-    checkpoint_state = None
-    if checkpoint is not None:
-        from vip_core.models.checkpoint import checkpoint_file
+def _fingerprint(config: VipConfig, model_config: ModelConfig, task: str, checkpoint: str | None,
+                 data: str) -> dict[str, Any]:
+    """What decides a job's metrics: the task, its settings, the encoder and the data's path."""
+    from vip_core.models.checkpoint import checkpoint_file
 
-        stat = checkpoint_file(checkpoint).stat()
-        checkpoint_state = [str(Path(checkpoint).resolve()), stat.st_size, stat.st_mtime_ns]
-    inputs = {"task": task, "evaluation": config.evaluation.model_dump(mode="json", exclude={"tasks"}),
-              "model": model_config.model_dump(mode="json"), "checkpoint": checkpoint_state,
-              "data": str(Path(data).resolve())}
-    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def _stored_metrics(output_dir: Path, fingerprint: str) -> dict[str, Any] | None:
-    path = output_dir / METRICS_FILE
-    if not path.is_file():
-        return None
-    try:
-        stored = json.loads(path.read_text())
-    except json.JSONDecodeError:
-        return None
-    return stored if stored.get("fingerprint") == fingerprint else None
-
-
-def _write_json(path: Path, payload: dict[str, Any]) -> None:
-    """Writes next to ``path`` and renames, so a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    partial.write_text(json.dumps(payload, indent=2))
-    partial.replace(path)
+    return {"task": task, "evaluation": config.evaluation.model_dump(mode="json", exclude={"tasks"}),
+            "model": model_config.model_dump(mode="json"),
+            "checkpoint": None if checkpoint is None else fingerprint(checkpoint_file(checkpoint)),
+            "data": str(Path(data).resolve())}
 
 
 def mlflow_metrics(task: str, metrics: dict[str, Any]) -> dict[str, float]:

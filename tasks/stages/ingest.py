@@ -9,7 +9,8 @@ filter, decontaminate against the evaluation images, deduplicate, then centre-cr
     manifest.parquet        one row per input row: status (kept, failed, filtered, duplicate,
                             decontaminated), reason, hashes, the clean shard that holds it
     stats.json              {"input", "downloaded", "failed", "filtered", "duplicates", "decontaminated", "kept"}
-    _ingest/                state: the run's fingerprint, the url list as img2dataset reads it, raw
+    stage.json              the stage folder's claim: url list, settings, evaluation images (tasks.runtime.folders)
+    _ingest/                state: the url list as img2dataset reads it, raw
                             shards, per-shard manifest parts, img2dataset's log
 
 Resuming: img2dataset's incremental mode skips raw shards it finished (their ``*_stats.json``); a raw
@@ -22,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
-import io
 import json
 import logging
 import math
@@ -31,7 +31,6 @@ import re
 import signal
 import subprocess
 import sys
-import tarfile
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -41,10 +40,12 @@ from typing import Any, Iterable, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from tasks.runtime.folders import StageFolder
+from vip_core.atomic import atomic_path, write_json
 from vip_core.config import IngestConfig, VipConfig
 from vip_core.data.dedup import Deduplicator, NearDuplicateIndex, build_contamination_index, content_hash, perceptual_hash
 from vip_core.data.filters import SampleFilter, center_crop_resize, decode_web_image
-from vip_core.data.shards import encode_image, iter_samples, list_shards
+from vip_core.data.shards import encode_image, iter_samples, list_shards, write_shard
 from vip_core.data.urllist import UrlList, file_digest, read_url_list
 from tasks.runtime.environment import configure_environment
 
@@ -95,10 +96,6 @@ class IngestLayout:
     @property
     def parts(self) -> Path:
         return self.work / "manifest"
-
-    @property
-    def state(self) -> Path:
-        return self.work / "state.json"
 
     @property
     def url_input(self) -> Path:
@@ -164,7 +161,9 @@ def run_ingest(
     )
     layout = IngestLayout(Path(output).resolve())
     with exclusive_use(layout) as lock:
-        _claim_output(layout, _fingerprint(settings, urls, eval_hashes))
+        StageFolder(layout.output, "ingest", _fingerprint(settings, urls, eval_hashes)).claim()
+        for folder in (layout.raw, layout.parts):
+            folder.mkdir(parents=True, exist_ok=True)
         shard_count = math.ceil(len(urls) / settings.samples_per_shard)
         cleaner = ShardCleaner(layout, urls, settings, sample_filter, contamination)
         write_img2dataset_input(layout.url_input, urls.urls())
@@ -236,20 +235,6 @@ def _fingerprint(settings: IngestConfig, urls: UrlList, eval_hashes: dict[str, i
     }
 
 
-def _claim_output(layout: IngestLayout, fingerprint: dict[str, Any]) -> None:
-    """Starts a new output folder, or checks that the existing one holds this same ingestion."""
-    if layout.state.exists():
-        if json.loads(layout.state.read_text()) != fingerprint:
-            raise ValueError(
-                f"output {layout.output} holds an ingestion of another url list, other settings or other "
-                "evaluation images; choose a new --output"
-            )
-        return
-    for folder in (layout.raw, layout.parts):
-        folder.mkdir(parents=True, exist_ok=True)
-    _write_atomically(layout.state, json.dumps(fingerprint, indent=1).encode())
-
-
 def _all_downloaded(layout: IngestLayout, shard_count: int) -> bool:
     return all(layout.part(i).exists() or layout.raw_done(i).exists() for i in range(shard_count))
 
@@ -272,9 +257,9 @@ def _finish(layout: IngestLayout, shard_count: int, input_rows: int) -> dict[str
     table = table.sort_by("row")
     if table.num_rows != input_rows or table.column("row").to_pylist() != list(range(input_rows)):
         raise IngestError(f"the manifest parts in {layout.parts} do not cover the {input_rows} input rows once each")
-    _write_parquet_atomically(table, layout.manifest)
+    _write_parquet(table, layout.manifest)
     stats = stats_from_manifest(table.select(["status", "reason"]).to_pylist())
-    _write_atomically(layout.stats, json.dumps(stats, indent=1).encode())
+    write_json(layout.stats, stats, indent=1)
     return stats
 
 
@@ -346,10 +331,10 @@ class ShardCleaner:
                 samples.append(sample)
         shard = layout.clean_shard(shard_id)
         if samples:
-            _write_shard_atomically(shard, samples)
+            write_shard(shard, samples)
         for record in records:
             record["shard"] = shard.name if record["status"] == "kept" else None
-        _write_parquet_atomically(pa.Table.from_pylist(records, schema=MANIFEST_SCHEMA), layout.part(shard_id))
+        _write_parquet(pa.Table.from_pylist(records, schema=MANIFEST_SCHEMA), layout.part(shard_id))
         layout.raw_tar(shard_id).unlink(missing_ok=True)
         logger.info("shard %d: %s", shard_id, dict(Counter(record["status"] for record in records)))
 
@@ -428,33 +413,13 @@ def write_img2dataset_input(path: Path, urls: list[str | None]) -> Path:
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         table = pa.table({"url": [url or "" for url in urls], "row": pa.array(range(len(urls)), pa.int64())})
-        _write_parquet_atomically(table, path)
+        _write_parquet(table, path)
     return path
 
 
-def _write_shard_atomically(path: Path, samples: list[tuple[str, dict[str, Any]]]) -> None:
-    partial = path.with_name(path.name + ".partial")
-    with tarfile.open(partial, "w") as archive:
-        for key, fields in samples:
-            for extension, value in fields.items():
-                payload = value if isinstance(value, bytes) else json.dumps(value, sort_keys=True, default=str).encode()
-                info = tarfile.TarInfo(f"{key}.{extension}")
-                info.size = len(payload)
-                info.mode = 0o644
-                archive.addfile(info, io.BytesIO(payload))
-    partial.replace(path)
-
-
-def _write_parquet_atomically(table: pa.Table, path: Path) -> None:
-    partial = path.with_name(path.name + ".partial")
-    pq.write_table(table, partial)
-    partial.replace(path)
-
-
-def _write_atomically(path: Path, payload: bytes) -> None:
-    partial = path.with_name(path.name + ".partial")
-    partial.write_bytes(payload)
-    partial.replace(path)
+def _write_parquet(table: pa.Table, path: Path) -> None:
+    with atomic_path(path) as partial:
+        pq.write_table(table, partial)
 
 
 def _read_part(path: Path) -> list[dict[str, Any]]:

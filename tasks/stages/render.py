@@ -2,10 +2,11 @@
 
 ``run_render`` splits the images into shards of ``samples_per_shard`` and renders the shards on
 ``workers`` processes, each with its own OpenGL context (one process: in this one). A worker writes a
-shard's records to ``records/shard-NNNNNN.json`` and then its tar to ``shard-NNNNNN.tar`` (renamed into
-place whole), so a killed run leaves only complete shards, and a second run renders only the missing
-ones. At the end ``manifest.jsonl`` (one line per image: key, seed, program id, time, or the mixup
-components) and ``stats.json`` (images, skipped draws by reason) are rebuilt from the records.
+shard's records to ``records/shard-NNNNNN.json`` and then its tar to ``shard-NNNNNN.tar`` (each written
+whole), so a killed run leaves only complete shards, and a second run renders only the missing ones. The
+folder is a stage folder (:mod:`tasks.runtime.folders`) claimed for the render's settings. At the end
+``manifest.jsonl`` (one line per image: key, seed, program id, time, or the mixup components) and
+``stats.json`` (images, skipped draws by reason) are rebuilt from the records.
 """
 
 from __future__ import annotations
@@ -15,8 +16,6 @@ import json
 import logging
 import multiprocessing
 import os
-import shutil
-import tarfile
 import time
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -29,7 +28,9 @@ import numpy as np
 from PIL import Image
 
 from vip_core.config import RenderConfig, VipConfig
-from vip_core.data.shards import ShardWriter, iter_samples, list_shards, sample_image
+from tasks.runtime.folders import StageFolder
+from vip_core.atomic import write_json, write_text
+from vip_core.data.shards import iter_samples, list_shards, sample_image, write_shard
 from vip_core.synthetic.plan import (
     GeneratedPrograms,
     ProgramCache,
@@ -47,7 +48,6 @@ logger = logging.getLogger(__name__)
 
 SHARD_PREFIX = "shard"
 RECORDS = "records"
-SETTINGS_FILE = "render.json"
 MANIFEST_FILE = "manifest.jsonl"
 STATS_FILE = "stats.json"
 JPEG_QUALITY = 95
@@ -101,7 +101,8 @@ def run_render(config: VipConfig, output: str | Path, shaders: str | Path | None
         samples_per_shard=settings.samples_per_shard,
         shaders=None if shaders is None else str(Path(shaders).resolve()),
     )
-    _claim_output(output, job)
+    StageFolder(output, "render", _settings_record(job)).claim()
+    (output / RECORDS).mkdir(exist_ok=True)
     done = _complete_shards(job)
     pending = [shard for shard in range(job.num_shards) if shard not in done]
     logger.info("render: %d shards to render, %d already complete", len(pending), len(done))
@@ -134,24 +135,6 @@ def _settings_record(job: RenderJob) -> dict[str, Any]:
         "images_per_program": plan.images_per_program, "pool_size": plan.pool_size,
         "samples_per_shard": job.samples_per_shard, "shaders": job.shaders,
     }
-
-
-def _claim_output(output: Path, job: RenderJob) -> None:
-    """Records the render's settings in ``output``, refusing a folder that holds a different render."""
-    output.mkdir(parents=True, exist_ok=True)
-    (output / RECORDS).mkdir(exist_ok=True)
-    settings_path = output / SETTINGS_FILE
-    wanted = _settings_record(job)
-    if settings_path.exists():
-        found = json.loads(settings_path.read_text())
-        changed = sorted(key for key in wanted if found.get(key) != wanted[key])
-        if changed:
-            details = ", ".join(f"{key} {found.get(key)!r} -> {wanted[key]!r}" for key in changed)
-            raise ValueError(f"{output} holds a render with other settings ({details}): use another output folder")
-    else:
-        _write_atomic(settings_path, json.dumps(wanted, indent=2))
-    for stale in output.glob(".tmp-*"):
-        shutil.rmtree(stale, ignore_errors=True)
 
 
 def _shard_path(job: RenderJob, shard: int) -> Path:
@@ -233,8 +216,8 @@ def render_shard(job: RenderJob, cache: ProgramCache, pool: ProgramPool, shard: 
     order = np.random.default_rng([job.plan.seed, shard]).permutation(len(samples))  # neighbours: other programs
     samples = [samples[i] for i in order]
     records = {"records": [record for _, record in samples], "skipped": dict(outcome.skipped)}
-    _write_atomic(_records_path(job, shard), json.dumps(records))
-    _write_tar(job, shard, samples)
+    write_json(_records_path(job, shard), records, indent=None)
+    write_shard(_shard_path(job, shard), [(record["key"], {"jpg": jpeg, "json": record}) for jpeg, record in samples])
     return len(samples)
 
 
@@ -264,26 +247,6 @@ def _encode(image: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
-def _write_tar(job: RenderJob, shard: int, samples: list[tuple[bytes, dict[str, Any]]]) -> None:
-    scratch = Path(job.output) / f".tmp-{shard:06d}"
-    shutil.rmtree(scratch, ignore_errors=True)
-    with ShardWriter(scratch, prefix=SHARD_PREFIX, samples_per_shard=max(len(samples), 1)) as writer:
-        for jpeg, record in samples:
-            writer.write(record["key"], {"jpg": jpeg, "json": record})
-    written = list_shards(scratch, SHARD_PREFIX)
-    if not written:  # every draw of the shard was skipped: an empty tar marks the shard done
-        written = [scratch / f"{SHARD_PREFIX}-empty.tar"]
-        tarfile.open(written[0], "w").close()
-    written[0].replace(_shard_path(job, shard))
-    shutil.rmtree(scratch, ignore_errors=True)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(text)
-    partial.replace(path)
-
-
 # ------------------------------------------------------------------------------------------ manifest, stats
 
 
@@ -297,13 +260,13 @@ def _write_manifest_and_stats(job: RenderJob, excluded: dict[str, int]) -> dict[
         images += len(shard_records["records"])
         lines.extend(json.dumps(record, sort_keys=True) for record in shard_records["records"])
     output = Path(job.output)
-    _write_atomic(output / MANIFEST_FILE, "".join(f"{line}\n" for line in lines))
+    write_text(output / MANIFEST_FILE, "".join(f"{line}\n" for line in lines))
     stats = {
         "output": str(output), "images": images, "shards": job.num_shards, "size": job.size,
         "programs": job.shaders or "generator", "skipped": dict(sorted(skipped.items())),
         "excluded_programs": dict(sorted(excluded.items())),
     }
-    _write_atomic(output / STATS_FILE, json.dumps(stats, indent=2))
+    write_json(output / STATS_FILE, stats)
     return stats
 
 

@@ -46,6 +46,8 @@ def test_running_again_with_the_same_inputs_returns_the_stored_metrics(workspace
     before = (output / METRICS_FILE).stat().st_mtime_ns
     again = run_evaluation(config, "linprobe", str(checkpoint), str(root / "digits"), str(output))
     assert again == evaluations["linprobe"] and (output / METRICS_FILE).stat().st_mtime_ns == before
+    with pytest.raises(ValueError, match="choose another output folder"):
+        run_evaluation(config, "fewshot", str(checkpoint), str(root / "digits"), str(output))
 
 
 def test_child_run_under_the_parent_holds_result_and_baseline_metrics(workspace, evaluations):

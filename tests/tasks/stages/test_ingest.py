@@ -128,7 +128,7 @@ def test_ingest_keeps_good_photographs_and_counts_every_bad_case(tmp_path, web):
     again = run_ingest(config, url_list, tmp_path / "out", eval_images=tmp_path / "eval")
     assert again == stats
     assert sum(web.requests.values()) == requests_before, "a finished ingestion fetched again"
-    with pytest.raises(ValueError, match="choose a new --output"):
+    with pytest.raises(ValueError, match="choose another output folder"):
         run_ingest(_config(conditions=("similarity >= 0.3",)), url_list, tmp_path / "out", eval_images=tmp_path / "eval")
 
 
@@ -179,7 +179,7 @@ def test_an_output_folder_in_use_is_refused(tmp_path):
     with exclusive_use(IngestLayout(tmp_path / "out")):
         with pytest.raises(ValueError, match="being written by another ingestion"):
             run_ingest(_config(), url_list, tmp_path / "out")
-    assert not (tmp_path / "out" / "_ingest" / "state.json").exists()
+    assert not (tmp_path / "out" / "stage.json").exists()
 
 
 @pytest.mark.slow
