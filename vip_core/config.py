@@ -8,12 +8,19 @@ only: the private dataset's size is measured at run time and enters through
 
 from __future__ import annotations
 
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 Accountant = Literal["prv", "pld", "rdp"]
-EVAL_TASKS = ("linprobe", "finetune", "fewshot", "coco", "ade20k")
+# The evaluation tasks, defined here once: the config, the jobs, the flows and ``vip eval`` read them.
+EvalTask = Literal["linprobe", "finetune", "fewshot", "coco", "ade20k"]
+EVAL_TASKS: tuple[str, ...] = get_args(EvalTask)
+# Where each task finds its public data below an evaluation root: an ImageFolder, a COCO and an ADE20K set.
+EVAL_DATA_FOLDERS: dict[str, str] = {
+    "linprobe": "classification", "finetune": "classification", "fewshot": "classification",
+    "coco": "coco", "ade20k": "ade20k",
+}
 
 
 class _Frozen(BaseModel):
@@ -193,7 +200,7 @@ class EvaluationConfig(_Frozen):
     ``detection_lr`` and ``segmentation_lr`` are absolute.
     """
 
-    tasks: tuple[Literal["linprobe", "finetune", "fewshot", "coco", "ade20k"], ...] = EVAL_TASKS
+    tasks: tuple[EvalTask, ...] = EVAL_TASKS
     linprobe_last_blocks: int = Field(4, gt=0)
     linprobe_epochs: int = Field(10, gt=0)
     linprobe_lr: float = Field(0.1, gt=0)

@@ -1,9 +1,10 @@
-"""The ``vip`` command.
+"""The ``vip`` command: each stage (and the benchmarks) without Prefect, on explicit paths.
 
-Each subcommand lives in ``tasks/cli/<name>.py`` and defines ``register(subparsers)``, which adds
-its parser and sets ``handler=function(args) -> int | None``. Handlers print one JSON object on stdout
-where the command reports a result. A bad argument or bad input exits with code 2 and one line on
-stderr that names the problem, never a traceback.
+Each sub-command lives in ``tasks/cli/<name>.py`` and defines ``register(subparsers)``, which adds its
+parser (with the shared options of ``tasks/cli/options.py``) and a handler ``function(args) -> int``.
+A handler parses, calls one stage function and prints one JSON object on stdout where the command
+reports a result. A bad argument or bad input exits with code 2 and one line on stderr that names the
+problem, never a traceback.
 """
 
 from __future__ import annotations

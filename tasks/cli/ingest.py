@@ -6,51 +6,42 @@ import argparse
 import sys
 from typing import Any
 
-# Command-line flag -> field of config.data.ingest; a flag left out keeps the preset's value.
+from tasks.cli.options import add_command, add_config_flags, add_output, add_preset, config_from
+
+# Flag -> (field of the config, type, help); a flag left out keeps the preset's value.
 INGEST_FLAGS = {
-    "image_size": "image_size",
-    "processes": "processes",
-    "threads": "threads",
-    "timeout": "timeout_s",
-    "samples_per_shard": "samples_per_shard",
-    "min_side": "min_side",
-    "condition": "conditions",
+    "--image-size": ("data.ingest.image_size", int, "side of the square output images, in pixels"),
+    "--processes": ("data.ingest.processes", int, "img2dataset download processes"),
+    "--threads": ("data.ingest.threads", int, "download threads per process"),
+    "--timeout": ("data.ingest.timeout_s", float, "seconds before a download is abandoned"),
+    "--samples-per-shard": ("data.ingest.samples_per_shard", int, "url-list rows per shard"),
+    "--min-side": ("data.ingest.min_side", int, "smallest allowed image side, in pixels"),
 }
 
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "ingest", help="download a LAION-format url list into clean webdataset shards",
+    parser = add_command(
+        subparsers, "ingest", handle_ingest, help="download a LAION-format url list into clean webdataset shards",
         description="Downloads a url list (parquet, csv or jsonl with a URL column) with img2dataset, drops "
         "failed downloads, NSFW-tagged, small and extreme-aspect images and rows failing --condition, removes "
         "exact and perceptual duplicates and near duplicates of --eval-images, and writes web-*.tar shards, "
         "manifest.parquet and stats.json in --output. Honours X-Robots-Tag: noai. Resumes a killed run.",
     )
     parser.add_argument("--url-list", required=True, help="LAION-format url list (.parquet, .csv or .jsonl)")
-    parser.add_argument("--output", required=True, help="output folder")
+    add_output(parser, "the clean shards, manifest.parquet and stats.json")
     parser.add_argument("--eval-images", help="folder of downstream evaluation images to decontaminate against")
-    parser.add_argument("--preset", default="tiny", help="configuration preset (default: tiny)")
-    parser.add_argument("--image-size", type=int, help="side of the square output images, in pixels")
-    parser.add_argument("--processes", type=int, help="img2dataset download processes")
-    parser.add_argument("--threads", type=int, help="download threads per process")
-    parser.add_argument("--timeout", type=float, help="seconds before a download is abandoned")
-    parser.add_argument("--samples-per-shard", type=int, help="url-list rows per shard")
-    parser.add_argument("--min-side", type=int, help="smallest allowed image side, in pixels")
-    parser.add_argument(
-        "--condition", action="append", help="row filter such as \"similarity >= 0.28\" (repeatable)"
-    )
-    parser.set_defaults(handler=handle_ingest)
+    add_preset(parser)
+    add_config_flags(parser, INGEST_FLAGS)
+    parser.add_argument("--condition", action="append",
+                        help="row filter such as \"similarity >= 0.28\" (repeatable)")
 
 
 def ingest_config(args: argparse.Namespace) -> Any:
-    """The preset with the flags the user gave applied to ``data.ingest``."""
-    from vip_core.config import get_preset, with_overrides
+    """The preset with the flags the user gave, ``--condition`` included."""
+    from vip_core.config import with_overrides
 
-    overrides = {
-        f"data.ingest.{field}": getattr(args, flag) for flag, field in INGEST_FLAGS.items()
-        if getattr(args, flag) is not None
-    }
-    return with_overrides(get_preset(args.preset), overrides)
+    config = config_from(args, INGEST_FLAGS)
+    return with_overrides(config, {"data.ingest.conditions": args.condition}) if args.condition else config
 
 
 def handle_ingest(args: argparse.Namespace) -> int:

@@ -9,61 +9,33 @@
 from __future__ import annotations
 
 import argparse
-import math
-from typing import Callable
+from typing import Any
 
+from tasks.cli.options import add_command, count, number
 from vip_core.privacy.accounting import ACCOUNTANTS, DEFAULT_ACCOUNTANT  # light: the accountants load lazily
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: Any) -> None:
     parser = subparsers.add_parser("privacy", help="privacy accounting: epsilon for sigma, sigma for epsilon")
     actions = parser.add_subparsers(dest="action", required=True)
 
-    epsilon = actions.add_parser("epsilon", help="epsilon spent by DP-SGD with the given sigma")
-    epsilon.add_argument("--noise-multiplier", required=True, type=_number("> 0", lambda v: v > 0),
+    epsilon = add_command(actions, "epsilon", _epsilon, help="epsilon spent by DP-SGD with the given sigma")
+    epsilon.add_argument("--noise-multiplier", required=True, type=number("> 0", lambda v: v > 0),
                          help="sigma: noise std over the clipping norm")
     _add_common(epsilon, min_steps=0)
-    epsilon.set_defaults(handler=_epsilon)
 
-    calibrate = actions.add_parser("calibrate", help="smallest sigma whose epsilon is at most the target")
-    calibrate.add_argument("--target-epsilon", required=True, type=_number("> 0", lambda v: v > 0))
+    calibrate = add_command(actions, "calibrate", _calibrate, help="smallest sigma whose epsilon is at most the target")
+    calibrate.add_argument("--target-epsilon", required=True, type=number("> 0", lambda v: v > 0))
     _add_common(calibrate, min_steps=1)
-    calibrate.set_defaults(handler=_calibrate)
 
 
 def _add_common(parser: argparse.ArgumentParser, min_steps: int) -> None:
-    parser.add_argument("--sample-rate", required=True, type=_number("in (0, 1]", lambda v: 0 < v <= 1),
+    parser.add_argument("--sample-rate", required=True, type=number("in (0, 1]", lambda v: 0 < v <= 1),
                         help="q: Poisson sampling probability (expected batch size / dataset size)")
-    parser.add_argument("--steps", required=True, type=_count(min_steps), help="number of logical steps")
-    parser.add_argument("--delta", required=True, type=_number("in (0, 1)", lambda v: 0 < v < 1))
+    parser.add_argument("--steps", required=True, type=count(min_steps), help="number of logical steps")
+    parser.add_argument("--delta", required=True, type=number("in (0, 1)", lambda v: 0 < v < 1))
     parser.add_argument("--accountant", choices=ACCOUNTANTS, default=DEFAULT_ACCOUNTANT,
                         help=f"default {DEFAULT_ACCOUNTANT}")
-
-
-def _number(rule: str, accepts: Callable[[float], bool]) -> Callable[[str], float]:
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-        if not (math.isfinite(value) and accepts(value)):
-            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
-        return value
-
-    return parse
-
-
-def _count(minimum: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {text}")
-        return value
-
-    return parse
 
 
 def _epsilon(args: argparse.Namespace) -> int:

@@ -134,6 +134,16 @@ def stage_run(parent_run_id: str | None, stage: str, config: VipConfig, name: st
 
 
 @contextlib.contextmanager
+def optional_stage_run(parent_run_id: str | None, stage: str, config: VipConfig) -> Iterator[str | None]:
+    """:func:`stage_run` under ``parent_run_id``, or None without a parent (the stage then opens its own run)."""
+    if parent_run_id is None:
+        yield None
+        return
+    with stage_run(parent_run_id, stage, config) as run_id:
+        yield run_id
+
+
+@contextlib.contextmanager
 def _ended_after(run_id: str) -> Iterator[str]:
     """Yields ``run_id``, then ends the run FINISHED, or FAILED (re-raising) when the block raises."""
     try:

@@ -18,25 +18,25 @@ def _vip(capsys, *args: str) -> tuple[int, str, str]:
 
 def test_cli_missing_dataset_path_is_exit_2_with_one_line(workspace, tmp_path, capsys):
     _, _, checkpoint = workspace
-    code, out, err = _vip(capsys, "evaluate", "--task", "linprobe", "--checkpoint", str(checkpoint),
+    code, out, err = _vip(capsys, "eval", "--task", "linprobe", "--checkpoint", str(checkpoint),
                           "--data", str(tmp_path / "none"), "--output", str(tmp_path / "out"))
     assert code == 2 and out == ""
-    assert err.startswith("vip evaluate: error: dataset folder not found") and err.count("\n") == 1
+    assert err.startswith("vip eval: error: dataset folder not found") and err.count("\n") == 1
 
 
 def test_cli_malformed_annotation_file_is_exit_2_with_one_line(workspace, tmp_path, capsys):
     _, _, checkpoint = workspace
     make_coco_shapes(tmp_path / "coco", img_size=32, n=4)
     (tmp_path / "coco" / "annotations" / "instances_val2017.json").write_text('{"images": [], "annotations": 3}')
-    code, out, err = _vip(capsys, "evaluate", "--task", "coco", "--checkpoint", str(checkpoint),
+    code, out, err = _vip(capsys, "eval", "--task", "coco", "--checkpoint", str(checkpoint),
                           "--data", str(tmp_path / "coco"), "--output", str(tmp_path / "out"))
     assert code == 2 and out == "" and err.count("\n") == 1
-    assert err.startswith("vip evaluate: error: malformed COCO annotation file") and "instances_val2017.json" in err
+    assert err.startswith("vip eval: error: malformed COCO annotation file") and "instances_val2017.json" in err
 
 
 def test_cli_evaluate_prints_one_json_object_with_both_encoders(workspace, evaluations, capsys):
     root, _, checkpoint = workspace
-    code, out, _ = _vip(capsys, "evaluate", "--task", "ade20k", "--checkpoint", str(checkpoint),
+    code, out, _ = _vip(capsys, "eval", "--task", "ade20k", "--checkpoint", str(checkpoint),
                         "--data", str(root / "ade20k"), "--output", str(root / "out" / "ade20k"))
     assert code == 0
     printed = json.loads(out)
@@ -45,6 +45,6 @@ def test_cli_evaluate_prints_one_json_object_with_both_encoders(workspace, evalu
 
 def test_cli_dp_finetune_setting_applies_to_finetune_only(workspace, capsys):
     root, _, checkpoint = workspace
-    code, _, err = _vip(capsys, "evaluate", "--task", "linprobe", "--dp-finetune", "imagenet", "--checkpoint",
-                        str(checkpoint), "--data", str(root / "digits"))
+    code, _, err = _vip(capsys, "eval", "--task", "linprobe", "--dp-finetune", "imagenet", "--checkpoint",
+                        str(checkpoint), "--data", str(root / "digits"), "--output", str(root / "out" / "dp"))
     assert code == 2 and "--dp-finetune applies to --task finetune" in err

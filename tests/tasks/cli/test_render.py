@@ -13,7 +13,7 @@ from tasks.stages.render import write_contact_sheet
 def test_vip_render_command_and_contact_sheet(tmp_path, capsys):
     sheet = tmp_path / "sheet.png"
     code = main([
-        "render", "--out", str(tmp_path / "cli"), "--num-images", "16", "--size", "32", "--seed", "5",
+        "render", "--output", str(tmp_path / "cli"), "--num-images", "16", "--size", "32", "--seed", "5",
         "--samples-per-shard", "16", "--contact-sheet", str(sheet),
     ])
     assert code == 0
@@ -24,8 +24,8 @@ def test_vip_render_command_and_contact_sheet(tmp_path, capsys):
 
 
 def test_vip_render_bad_input_is_one_line(tmp_path, capsys):
-    assert main(["render", "--out", str(tmp_path / "bad"), "--size", "0"]) == 2
+    assert main(["render", "--output", str(tmp_path / "bad"), "--size", "0"]) == 2
     error = capsys.readouterr().err.strip()
     assert error.startswith("vip render: error:") and "data.render.size" in error and "\n" not in error
-    assert main(["render", "--out", str(tmp_path / "bad"), "--shaders", str(tmp_path / "missing")]) == 2
+    assert main(["render", "--output", str(tmp_path / "bad"), "--shaders", str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
