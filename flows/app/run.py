@@ -1,210 +1,186 @@
-"""``make run``: the whole pipeline on one machine, from nothing, with everything it needs made locally.
+"""``make run`` and ``make <stage>``: a flow of the pipeline on one machine, with everything it needs made locally.
 
-1. A small web of photographs is served on 127.0.0.1 (``tasks.fixtures.web``) and a LAION-style url list of it
-   is written: the ingestion stage downloads it through img2dataset as it would download LAION.
-2. Small public evaluation sets are made offline (``tasks.fixtures.eval_sets``): digits in ImageFolder layout,
-   shapes in COCO and ADE20K layouts.
-3. The Prefect flow ``vip-pipeline`` runs on the preset (local Prefect, local Ray, the sqlite MLflow store
-   under ``$VIP_HOME``): ingest and render, pre-training on synthetic images, private pre-training, and
-   every evaluation job beside its random-init baseline.
-4. The results table is printed (ε spent, each evaluation beside its baseline) with the URLs to look at.
+1. The inputs, unless given: small public evaluation sets made offline (``tasks.fixtures.eval_sets``:
+   digits in ImageFolder layout, shapes in COCO and ADE20K layouts), and a small web of photographs served
+   on 127.0.0.1 (``tasks.fixtures.web``) with a LAION-style url list of it, which the ingestion stage
+   downloads through img2dataset as it would download LAION.
+2. The target's flow (``flows/targets.py``: ``vip-pipeline`` for ``make run``, the stage's own flow for
+   ``make <stage>``) on local Prefect (``make ui``'s server when it runs, else a temporary one on the same
+   database), a local Ray and the sqlite MLflow store under ``$VIP_HOME``; the training stages print their
+   step, loss and ε as they go.
+3. The state of each stage (Completed, Cached) and, for ``make run``, the results table and where to look.
 
-Running it again reuses the data already made and skips the stages already done with the same config.
-The web sample is served on a fixed port (``--web-port``), so the url list stays the same from one run to
-the next and the ingestion stage stays cached.
+Every target names its stages' folders and cache keys as the pipeline does, so what one target did is
+Cached in the others. The sample web is served on a fixed port (``--web-port``), so the url list, and with
+it the ingestion stage, stays the same from one run to the next.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import os
 import sys
-import threading
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
-from vip_core.config import VipConfig, get_preset
-from tasks.runtime.environment import configure_environment
+from tasks.runtime.environment import configure_environment, state_paths
+from tasks.runtime.names import STAGES
+from vip_core.config import VipConfig, get_preset, with_overrides
 
+TARGETS = ("run", *STAGES)
 WEB_PORT = 8765
 WEB_IMAGES = 320
 SHAPE_SCENES = 160
 PROGRESS_LOGGERS = "tasks,vip_core,flows"
 
 
-def make_eval_data(root: Path, img_size: int, scenes: int = SHAPE_SCENES) -> Path:
-    """The three evaluation sets below ``root`` (``classification/``, ``coco/``, ``ade20k/``), made once."""
-    from tasks.fixtures.eval_sets import make_ade20k_shapes, make_coco_shapes, make_digits_imagefolder
-
-    builders = {
-        "classification": lambda folder: make_digits_imagefolder(folder, img_size),
-        "coco": lambda folder: make_coco_shapes(folder, img_size, scenes),
-        "ade20k": lambda folder: make_ade20k_shapes(folder, img_size, scenes),
-    }
-    for name, build in builders.items():
-        folder, done = root / name, root / f".{name}.done"
-        if not done.exists():
-            build(folder)
-            done.touch()
-    return root
-
-
-def make_url_list(path: Path, base_url: str, images: int) -> Path:
-    """The url list of the sample web, written once (it names the fixed port, so it stays valid)."""
-    from tasks.fixtures.web import write_sample_url_list
-
-    if not path.exists():
-        partial = path.with_name(f"partial-{path.name}")
-        write_sample_url_list(partial, base_url, images)
-        partial.replace(path)
-    return path
-
-
 @contextlib.contextmanager
-def sample_web(root: Path, port: int) -> Iterator[str]:
-    """Serves the sample web on 127.0.0.1:``port`` for the block; yields its base URL."""
-    from tasks.fixtures.web import serve_sample_web
+def flow_inputs(config: VipConfig, wanted: set[str], *, url_list: str = "", eval_data: str = "",
+                web_port: int = WEB_PORT, images: int = WEB_IMAGES) -> Iterator[dict[str, str]]:
+    """The inputs a flow takes (``wanted`` of ``url_list``, ``eval_data``): the given ones, else the demo's.
 
-    try:
-        base_url, stop_web = serve_sample_web(root, port=port)
-    except OSError as error:
-        raise OSError(f"web port {port} is taken ({error.strerror}); pass --web-port with a free one") from None
-    try:
-        yield base_url
-    finally:
-        stop_web()
-
-
-class TrainingProgress:
-    """Prints the step, loss and ε of each training stage that is running, read from MLflow every few seconds.
-
-    The training workers run in Ray's processes; their metrics reach MLflow at every step, so the store is
-    where the driver sees them.
+    The demo's evaluation sets are made once under ``$VIP_HOME/demo/eval``; its sample web is served for the
+    block, and its url list written once, only when the flow reads a url list and none is given.
     """
+    demo = state_paths()["home"] / "demo"
+    inputs = {}
+    if "eval_data" in wanted:
+        inputs["eval_data"] = eval_data or _demo_eval_data(demo / "eval", config.model.img_size)
+    if "url_list" not in wanted or url_list:
+        yield {**inputs, **({"url_list": url_list} if url_list else {})}
+        return
+    from tasks.fixtures.web import serving, write_sample_url_list
 
-    def __init__(self, interval_s: float = 10.0) -> None:
-        self.interval_s = interval_s
-        self.since_ms = int(time.time() * 1000)
-        self._printed: dict[str, str] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-
-    def __enter__(self) -> "TrainingProgress":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            with contextlib.suppress(Exception):  # a busy store is no reason to stop the run: next time
-                self.report()
-
-    def report(self) -> None:
-        from tasks.runtime import tracking
-
-        client = tracking.client()
-        running = client.search_runs(
-            [tracking.experiment_id()],
-            filter_string=f"attributes.status = 'RUNNING' AND attributes.start_time >= {self.since_ms}",
-        )
-        for run in running:
-            stage = run.data.tags.get(tracking.STAGE_TAG, "")
-            if "train/loss" not in run.data.metrics:
-                continue
-            step = client.get_metric_history(run.info.run_id, "train/loss")[-1].step
-            total = run.data.params.get("private.steps" if stage == "pretrain-dp" else "synthetic.steps", "?")
-            line = f"[progress] {stage}: step {step}/{total}, train/loss {run.data.metrics['train/loss']:.4f}"
-            if "privacy/epsilon" in run.data.metrics:
-                line += f", privacy/epsilon {run.data.metrics['privacy/epsilon']:.3f}"
-            if self._printed.get(run.info.run_id) != line:
-                self._printed[run.info.run_id] = line
-                _say(line)
+    with serving(demo / "web", web_port) as base_url:
+        path = demo / f"urls-{web_port}.parquet"
+        if not path.exists():
+            write_sample_url_list(path, base_url, images)
+        say(f"web sample served at {base_url}; url list {path}")
+        yield {**inputs, "url_list": str(path)}
 
 
-def use_running_prefect_server() -> str | None:
-    """Points Prefect at ``make ui``'s server when it runs (the run then shows live); else None.
+def run_target(target: str, config: VipConfig, **options: Any) -> Any:
+    """Runs the flow of make target ``target`` on ``config``; returns its final Prefect state.
 
-    Without it, Prefect starts a temporary server on the same database, and ``make ui`` shows the run later.
+    Args:
+        target: ``run`` or a stage name.
+        config: the run's configuration.
+        options: the flow's other parameters (``checkpoint``, ``audit_canaries``, ...) and :func:`flow_inputs`'
+            options (``url_list``, ``eval_data``, ``web_port``, ``images``); each flow takes those it declares.
     """
-    from flows.app.servers import is_healthy, prefect_health_url, prefect_url
+    from flows.app.progress import TrainingProgress
+    from flows.targets import FLOWS
 
-    if os.environ.get("PREFECT_API_URL"):
-        return os.environ["PREFECT_API_URL"]
-    if is_healthy(prefect_health_url()):
-        os.environ["PREFECT_API_URL"] = f"{prefect_url()}/api"
-        return os.environ["PREFECT_API_URL"]
-    return None
-
-
-def run_demo(config: VipConfig, *, web_port: int = WEB_PORT, images: int = WEB_IMAGES) -> dict:
-    """Makes the inputs, serves the web sample, runs the pipeline flow; returns its summary."""
-    home = configure_environment()
-    os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", PROGRESS_LOGGERS)
-    # The temporary server creates its database on the first run: more than Prefect's 20 s on a busy machine.
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "300")
-    demo = home / "demo"
-    _say(f"[demo] evaluation data (public, offline) in {demo / 'eval'}")
-    eval_data = make_eval_data(demo / "eval", config.model.img_size)
-    with sample_web(demo / "web", web_port) as base_url:
-        url_list = make_url_list(demo / f"urls-{web_port}.parquet", base_url, images)
-        _say(f"[demo] web sample served at {base_url}; url list {url_list}")
-        from flows.pipeline import vip_pipeline
-
-        with TrainingProgress():
-            return vip_pipeline(config=config, url_list=str(url_list), eval_data=str(eval_data))
+    flow = FLOWS[target]
+    accepted = set(inspect.signature(flow.fn).parameters)
+    input_options = {key: options.pop(key) for key in ("url_list", "eval_data", "web_port", "images") if key in options}
+    with flow_inputs(config, accepted, **input_options) as inputs, TrainingProgress():
+        parameters = {key: value for key, value in {**options, **inputs}.items() if key in accepted and value != ""}
+        return flow(config=config, **parameters, return_state=True)
 
 
-def report(summary: dict, seconds: float) -> str:
-    """The results table and where to look next."""
-    from tasks.runtime import results, tracking
+def stage_states(flow_state: Any) -> list[tuple[str, str]]:
+    """``(task run name, state name)`` of every task run of the flow run, in the order they started."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.client.schemas.sorting import TaskRunSort
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_state.state_details.flow_run_id])),
+            sort=TaskRunSort.EXPECTED_START_TIME_ASC)
+    return [(run.name, run.state.name) for run in runs]
+
+
+def report(target: str, flow_state: Any, seconds: float) -> str:
+    """What a person reads at the end: each stage's state, then the results table (``make run``) or the
+    stage's result, and where to look."""
     from flows.app.servers import prefect_url
+    from tasks.runtime import results
 
+    states = stage_states(flow_state)
+    width = max(len(name) for name, _ in states) if states else 0
+    lines = ["", f"make {target}: {flow_state.name} in {seconds / 60:.1f} min", "",
+             *(f"  {name.ljust(width)}  {state}" for name, state in states), ""]
+    result = flow_state.result()
+    if target == "run":
+        lines += [results.text_table(result), ""]
+    elif target == "eval":
+        lines += [*results.evaluation_table(result), ""]
+    else:
+        lines += [f"  {target}: {results.one_line(result)}", ""]
     prefect_base = os.environ.get("PREFECT_API_URL", f"{prefect_url()}/api").removesuffix("/api")
-    lines = [
-        "",
-        results.text_table(summary),
-        "",
-        f"  finished in {seconds / 60:.1f} min",
-        "",
-        "Where to look (start the servers with `make ui` if they are not running):",
-        f"  Prefect flow run: {prefect_base}/runs/flow-run/{summary['flow_run_id']}",
-        f"  MLflow run:       {tracking.run_ui_url(summary['mlflow_run_id'])}",
-        f"  MLflow model:     {tracking.ui_base_url()}/#/models/{summary['registered_model'].split('/')[0]}",
-        f"  files:            {summary['workdir']}",
-        "",
-        "The (ε, δ) guarantee covers the private pre-training data only; evaluation data is public.",
-    ]
+    lines += ["Where to look (start the servers with `make ui` if they are not running):",
+              f"  Prefect flow run: {prefect_base}/runs/flow-run/{flow_state.state_details.flow_run_id}"]
+    if target == "run":
+        lines += _mlflow_links(result)
+    lines += ["", "The (ε, δ) guarantee covers the private pre-training data only; evaluation data is public."]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flows.app.run", description=__doc__.splitlines()[0])
+    parser.add_argument("target", choices=TARGETS, help="run: the whole pipeline; a stage: its own flow")
     parser.add_argument("--preset", default="tiny", help="the config preset (default: tiny)")
+    parser.add_argument("--url-list", default="", help="a LAION-format url list (default: the sample web's)")
+    parser.add_argument("--eval-data", default="", help="the evaluation sets' folder (default: the offline ones)")
+    parser.add_argument("--checkpoint", default="", help="eval: this checkpoint instead of the pipeline's encoder")
+    parser.add_argument("--eval-tasks", default="", help="eval: these tasks (space-separated) instead of the preset's")
     parser.add_argument("--web-port", type=int, default=WEB_PORT, help="the sample web's port on 127.0.0.1")
     parser.add_argument("--images", type=int, default=WEB_IMAGES, help="photographs in the sample web")
     args = parser.parse_args(argv)
     configure_environment()
     try:
-        config = get_preset(args.preset)
+        config = _config(args.preset, args.eval_tasks)
     except ValueError as error:
-        print(f"make run: error: {error}", file=sys.stderr)
+        print(f"make {args.target}: error: {error}", file=sys.stderr)
         return 2
-    server = use_running_prefect_server()
-    _say(f"[demo] preset {config.name}; Prefect API: {server or 'a temporary local server'}; "
-         f"MLflow: {os.environ['MLFLOW_TRACKING_URI']}")
+    prepare_console()
     started = time.perf_counter()
-    summary = run_demo(config, web_port=args.web_port, images=args.images)
-    print(report(summary, time.perf_counter() - started), flush=True)
-    return 0
+    state = run_target(args.target, config, url_list=args.url_list, eval_data=args.eval_data,
+                       checkpoint=args.checkpoint, web_port=args.web_port, images=args.images)
+    print(report(args.target, state, time.perf_counter() - started), flush=True)
+    return 0 if state.is_completed() else 1
 
 
-def _say(message: str) -> None:
-    print(message, flush=True)
+def prepare_console() -> None:
+    """Prefect on the terminal: ``make ui``'s server when it runs, the project's own loggers shown, and time for
+    a temporary server to create its database on a busy machine (more than Prefect's 20 s)."""
+    from flows.app.servers import use_running_prefect_server
+
+    os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", PROGRESS_LOGGERS)
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "300")
+    server = use_running_prefect_server()
+    say(f"Prefect API: {server or 'a temporary local server'}; MLflow: {os.environ['MLFLOW_TRACKING_URI']}")
+
+
+def say(message: str) -> None:
+    """A line for the person at the terminal."""
+    print(f"[vip] {message}", flush=True)
+
+
+def _config(preset: str, eval_tasks: str) -> VipConfig:
+    config = get_preset(preset)
+    return with_overrides(config, {"evaluation.tasks": tuple(eval_tasks.split())}) if eval_tasks else config
+
+
+def _demo_eval_data(root: Path, img_size: int) -> str:
+    from tasks.fixtures.eval_sets import make_eval_sets
+
+    made = make_eval_sets(root, img_size, SHAPE_SCENES)
+    say(f"evaluation data (public, offline) in {root}" + (" (made now)" if any(s["made"] for s in made.values()) else ""))
+    return str(root)
+
+
+def _mlflow_links(summary: dict) -> list[str]:
+    from tasks.runtime import tracking
+
+    return [f"  MLflow run:       {tracking.run_ui_url(summary['mlflow_run_id'])}",
+            f"  MLflow model:     {tracking.ui_base_url()}/#/models/{summary['registered_model'].split('/')[0]}",
+            f"  files:            {summary['workdir']}"]
 
 
 if __name__ == "__main__":

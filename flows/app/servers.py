@@ -199,6 +199,19 @@ def _venv_bin(name: str) -> str:
     return str(candidate) if candidate.exists() else name
 
 
+def use_running_prefect_server() -> str | None:
+    """Points Prefect at ``make ui``'s server when it runs (the run then shows live); else None.
+
+    Without it, Prefect starts a temporary server on the same database, and ``make ui`` shows the run later.
+    """
+    if os.environ.get("PREFECT_API_URL"):
+        return os.environ["PREFECT_API_URL"]
+    if is_healthy(prefect_health_url()):
+        os.environ["PREFECT_API_URL"] = f"{prefect_url()}/api"
+        return os.environ["PREFECT_API_URL"]
+    return None
+
+
 def serve_ui() -> int:
     """Starts the servers that are not running yet, prints the URLs, and serves until interrupted."""
     home = configure_environment()

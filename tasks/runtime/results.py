@@ -67,10 +67,10 @@ def evaluation_metrics(evaluations: Mapping[str, Mapping[str, Any]]) -> dict[str
     return metrics
 
 
-def rows(summary: Mapping[str, Any]) -> list[tuple[str, str, float | None, float | None]]:
+def rows(evaluations: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, str, float | None, float | None]]:
     """``(task, metric, ViP, random init)`` for every numeric evaluation metric."""
     table = []
-    for task, values in summary["evaluations"].items():
+    for task, values in evaluations.items():
         vip = numeric_leaves(values["result"], "")
         baseline = numeric_leaves(values.get("baseline") or {}, "")
         for name in dict.fromkeys([*vip, *baseline]):
@@ -107,16 +107,27 @@ def text_table(summary: Mapping[str, Any]) -> str:
     lines = [f"ViP results, preset {summary['preset']}", f"  privacy: {privacy_line(summary)}"]
     if audit_line(summary):
         lines.append(f"  {audit_line(summary)}")
-    lines.append("")
-    header = ("task", "metric", "ViP", "random init", "difference")
-    body = [(task, metric, _fmt(vip), _fmt(base), _fmt(None if vip is None or base is None else vip - base, True))
-            for task, metric, vip, base in rows(summary)]
-    widths = [max(len(str(row[i])) for row in [header, *body]) for i in range(len(header))]
-    for row in [header, tuple("-" * w for w in widths), *body]:
-        lines.append("  " + "  ".join(str(cell).ljust(w) if i < 2 else str(cell).rjust(w)
-                                      for i, (cell, w) in enumerate(zip(row, widths))))
+    lines += ["", *evaluation_table(summary["evaluations"])]
     lines += ["", f"  encoder: {summary['checkpoint']} (registered as {summary['registered_model']})"]
     return "\n".join(lines)
+
+
+def evaluation_table(evaluations: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """Each evaluation metric beside its random-init baseline and the difference, as aligned text lines."""
+    header = ("task", "metric", "ViP", "random init", "difference")
+    body = [(task, metric, _fmt(vip), _fmt(base), _fmt(None if vip is None or base is None else vip - base, True))
+            for task, metric, vip, base in rows(evaluations)]
+    widths = [max(len(str(row[i])) for row in [header, *body]) for i in range(len(header))]
+    return ["  " + "  ".join(str(cell).ljust(w) if i < 2 else str(cell).rjust(w)
+                             for i, (cell, w) in enumerate(zip(row, widths)))
+            for row in [header, tuple("-" * w for w in widths), *body]]
+
+
+def one_line(result: Mapping[str, Any]) -> str:
+    """A stage's result in one line: its top-level numbers, then its output folder or checkpoint."""
+    numbers = [f"{key} {value:g}" for key, value in result.items() if _is_plain_number(value)]
+    where = result.get("checkpoint") or result.get("output")
+    return ", ".join(numbers) + (f"; {where}" if where else "")
 
 
 def markdown_table(summary: Mapping[str, Any]) -> str:
@@ -124,7 +135,8 @@ def markdown_table(summary: Mapping[str, Any]) -> str:
     lines = [f"# ViP results, preset {summary['preset']}", "", f"**Privacy:** {privacy_line(summary)}", "",
              *([f"**Audit:** {audit_line(summary)}", ""] if audit_line(summary) else []),
              "| task | metric | ViP | random init |", "|---|---|---:|---:|"]
-    lines += [f"| {task} | {metric} | {_fmt(vip)} | {_fmt(base)} |" for task, metric, vip, base in rows(summary)]
+    lines += [f"| {task} | {metric} | {_fmt(vip)} | {_fmt(base)} |"
+              for task, metric, vip, base in rows(summary["evaluations"])]
     lines += ["", f"Encoder `{summary['checkpoint']}`, registered as `{summary['registered_model']}`.",
               "", "The (ε, δ) guarantee covers the private pre-training data only; evaluation data is public."]
     return "\n".join(lines)
@@ -132,6 +144,10 @@ def markdown_table(summary: Mapping[str, Any]) -> str:
 
 def _numbers(result: Mapping[str, Any]) -> dict[str, float]:
     return {key.lstrip("/"): value for key, value in numeric_leaves(result, "").items()}
+
+
+def _is_plain_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _fmt(value: float | None, signed: bool = False) -> str:

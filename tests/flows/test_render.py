@@ -3,19 +3,10 @@ slice runs again, and the flow run has an MLflow parent run with the stage as it
 
 from __future__ import annotations
 
-import pytest
-from prefect.testing.utilities import prefect_test_harness
-
+from flows.app.run import stage_states
 from flows.render import render_flow
 from tasks.runtime import tracking
 from vip_core.config import tiny, with_overrides
-
-
-@pytest.fixture(scope="module")
-def prefect_api():
-    """A temporary Prefect server on its own sqlite database (slow to start on a loaded machine)."""
-    with prefect_test_harness(server_startup_timeout=300):
-        yield
 
 
 def test_a_second_run_with_the_same_config_skips_the_stage(prefect_api, tmp_path):
@@ -26,9 +17,9 @@ def test_a_second_run_with_the_same_config_skips_the_stage(prefect_api, tmp_path
                           return_state=True)
 
     assert first.result()["images"] == second.result()["images"] == 48
-    assert _task_states(first) == ["Completed"]
-    assert _task_states(second) == ["Cached"]
-    assert _task_states(changed) == ["Completed"]
+    assert [state for _, state in stage_states(first)] == ["Completed"]
+    assert [state for _, state in stage_states(second)] == ["Cached"]
+    assert [state for _, state in stage_states(changed)] == ["Completed"]
     assert second.result()["output"] == first.result()["output"] != changed.result()["output"]
 
 
@@ -46,13 +37,3 @@ def test_each_flow_run_has_an_mlflow_parent_run_with_the_stage_as_a_child(prefec
     [child] = tracking.child_runs(parent.info.run_id)
     assert child.data.tags[tracking.STAGE_TAG] == "render"
     assert child.data.metrics["render/images"] == 32.0
-
-
-def _task_states(flow_state) -> list[str]:
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
-    with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(
-            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_state.state_details.flow_run_id])))
-    return [run.state.name for run in runs]

@@ -1,13 +1,14 @@
-"""Fixtures of the flow tests: Debian's Chromium and PostgreSQL (installed by ``make system-deps`` when
-missing), the Prefect and MLflow servers on free ports of 127.0.0.1, and a headless Chromium."""
+"""Fixtures of the application's tests: Debian's Chromium and PostgreSQL (installed by ``make system-deps``
+when missing), the Prefect and MLflow servers on free ports of 127.0.0.1, and a headless Chromium."""
 
 from __future__ import annotations
 
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 
@@ -81,3 +82,21 @@ def artifacts_dir() -> Path:
     """``test-artifacts/`` (git-ignored): screenshots the browser tests keep."""
     ARTIFACTS.mkdir(exist_ok=True)
     return ARTIFACTS
+
+
+@pytest.fixture
+def wait_for_text(browser) -> Callable[..., str]:
+    """``wait_for_text(*texts)``: the page's text once it holds every one of ``texts``; fails naming the missing."""
+
+    def wait(*texts: str, timeout_s: float = 120.0) -> str:
+        deadline = time.monotonic() + timeout_s
+        body = ""
+        while time.monotonic() < deadline:
+            body = browser.find_element("tag name", "body").text
+            if all(text in body for text in texts):
+                return body
+            time.sleep(1.0)
+        missing = [text for text in texts if text not in body]
+        pytest.fail(f"{browser.current_url} never showed {missing}; it showed: {body[:500]!r}")
+
+    return wait

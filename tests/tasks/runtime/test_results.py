@@ -32,3 +32,9 @@ def test_summary_metrics_are_namespaced():
     assert metrics["privacy/epsilon"] == 7.91
     assert metrics["eval/linprobe/top1"] == 0.62
     assert metrics["eval/linprobe/top1_random_init"] == 0.41
+
+
+def test_a_stage_result_reads_in_one_line():
+    line = results.one_line({"images": 256, "resumed_shards": 0, "images_per_s": 13.71, "skipped": {"constant": 2},
+                             "output": "/runs/tiny/render-97b39d68"})
+    assert line == "images 256, resumed_shards 0, images_per_s 13.71; /runs/tiny/render-97b39d68"
