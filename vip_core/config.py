@@ -345,7 +345,7 @@ def vip_base_paper() -> VipConfig:
 def dp_finetune_imagenet() -> FinetunePrivacyConfig:
     """DP fine-tuning at the paper's ImageNet-1K setting: ε = 8, δ = 8e-7 (other fields: our defaults).
 
-    Use as ``evaluation.finetune_privacy`` or ``vip evaluate --task finetune --dp-finetune imagenet``.
+    Use as ``evaluation.finetune_privacy`` or ``vip eval --task finetune --dp-finetune imagenet``.
     """
     return FinetunePrivacyConfig(enabled=True, target_epsilon=8.0, delta=8e-7)
 
