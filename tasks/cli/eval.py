@@ -7,7 +7,7 @@ import argparse
 import logging
 from typing import Any
 
-from tasks.cli.options import add_command, add_mlflow_parent, add_output, add_preset, count
+from tasks.cli.options import add_command, add_data, add_mlflow_parent, add_output, add_preset, count
 from vip_core.config import EVAL_TASKS
 
 
@@ -22,7 +22,7 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--task", required=True, choices=EVAL_TASKS)
     parser.add_argument("--checkpoint", required=True, help="checkpoint file or run folder (checkpoint.pt)")
-    parser.add_argument("--data", required=True, help="the task's dataset folder")
+    add_data(parser, "the task's dataset")
     add_output(parser, "metrics.json")
     add_preset(parser)
     parser.add_argument("--dp-finetune", metavar="NAME",

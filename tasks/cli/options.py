@@ -31,6 +31,10 @@ def add_output(parser: argparse.ArgumentParser, holds: str) -> None:
     parser.add_argument("--output", required=True, metavar="DIR", help=f"the folder for {holds}")
 
 
+def add_data(parser: argparse.ArgumentParser, holds: str) -> None:
+    parser.add_argument("--data", required=True, metavar="DIR", help=f"the folder of {holds}")
+
+
 def add_mlflow_parent(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mlflow-parent", metavar="RUN_ID",
                         help="record this stage as a child run of that MLflow run (default: a run of its own)")

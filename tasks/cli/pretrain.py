@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from tasks.cli.options import add_command, add_config_flags, add_mlflow_parent, add_output, add_preset, config_from
+from tasks.cli.options import (
+    add_command, add_config_flags, add_data, add_mlflow_parent, add_output, add_preset, config_from,
+)
 from tasks.runtime.names import PRETRAIN_STAGES
 
 # Flag -> (field of the stage's training config, type, help); ``{stage}`` is synthetic or private.
@@ -33,7 +35,7 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--stage", required=True, choices=sorted(PRETRAIN_STAGES), help="synthetic (no DP) or private (DP)")
     add_preset(parser)
-    parser.add_argument("--data", required=True, help="folder of webdataset tar or parquet shards")
+    add_data(parser, "webdataset tar or parquet shards to train on")
     add_output(parser, "the stage: Ray Train's checkpoints, checkpoint/ and result.json")
     parser.add_argument("--init-checkpoint", help="warm-start weights (the private stage: the synthetic stage's "
                         "checkpoint/ folder)")
