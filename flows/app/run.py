@@ -105,8 +105,10 @@ def report(target: str, flow_state: Any, seconds: float) -> str:
     width = max(len(name) for name, _ in states) if states else 0
     lines = ["", f"make {target}: {flow_state.name} in {seconds / 60:.1f} min", "",
              *(f"  {name.ljust(width)}  {state}" for name, state in states), ""]
-    result = flow_state.result()
-    if target == "run":
+    result = flow_state.result() if flow_state.is_completed() else None
+    if result is None:
+        lines += [f"  {flow_state.message}", ""]
+    elif target == "run":
         lines += [results.text_table(result), ""]
     elif target == "eval":
         lines += [*results.evaluation_table(result), ""]
@@ -115,7 +117,7 @@ def report(target: str, flow_state: Any, seconds: float) -> str:
     prefect_base = os.environ.get("PREFECT_API_URL", f"{prefect_url()}/api").removesuffix("/api")
     lines += ["Where to look (start the servers with `make ui` if they are not running):",
               f"  Prefect flow run: {prefect_base}/runs/flow-run/{flow_state.state_details.flow_run_id}"]
-    if target == "run":
+    if target == "run" and result is not None:
         lines += _mlflow_links(result)
     lines += ["", "The (ε, δ) guarantee covers the private pre-training data only; evaluation data is public."]
     return "\n".join(lines)
