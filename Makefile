@@ -3,7 +3,6 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-VIP := $(VENV)/bin/vip
 STAMP := $(VENV)/.vip-installed
 PRESET ?= tiny
 
@@ -29,17 +28,36 @@ test-slow: setup
 	$(PY) -m pytest -q -m slow
 
 # ------------------------------------------------------------------------------------------ the pipeline
-# `make run`: the whole pipeline on $(PRESET) on the CPU, with a small web sample served on 127.0.0.1.
+# `make run`: the whole pipeline (the Prefect flow vip-pipeline) on $(PRESET) on the CPU, with a small web sample
+# served on 127.0.0.1 and small public evaluation sets made offline (flows/app/run.py).
 run: setup
-	$(PY) -m tasks.demo --preset $(PRESET)
+	$(PY) -m flows.app.run run $(FLOW_OPTIONS)
+
+# `make <stage>`: the stage's own Prefect flow, after the stages it reads, with the pipeline's folders and cache
+# keys: what `make run` did is Cached, and `make run` reuses what a stage target did. The stages are listed once,
+# in tasks/runtime/names.py. Options: URL_LIST=laion.parquet (default: the sample web), EVAL_DATA=folder with
+# classification/ coco/ ade20k/ (default: the offline sets), CHECKPOINT=file or folder (eval: evaluate it instead
+# of the pipeline's encoder), EVAL_TASKS="linprobe coco" (eval: these tasks only).
+STAGES := $(shell $(PYTHON) -m tasks.runtime.names)
+URL_LIST ?=
+EVAL_DATA ?=
+CHECKPOINT ?=
+EVAL_TASKS ?=
+FLOW_OPTIONS = --preset $(PRESET) $(if $(URL_LIST),--url-list $(URL_LIST)) $(if $(EVAL_DATA),--eval-data $(EVAL_DATA)) \
+    $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) $(if $(EVAL_TASKS),--eval-tasks "$(EVAL_TASKS)")
+
+$(STAGES): setup
+	$(PY) -m flows.app.run $@ $(FLOW_OPTIONS)
 
 # `make ui`: the Prefect UI on 127.0.0.1:4200 and the MLflow UI on 127.0.0.1:5000, on the stores in $(VIP_HOME).
 ui: setup
-	$(PY) -m tasks.services ui
+	$(PY) -m flows.app.servers ui
 
-# `make serve`: the deployments, so that a run can be started from the Prefect UI (needs `make ui` running).
+# `make serve`: the flows as deployments, so that a run can be started from the Prefect UI (needs `make ui` running).
 serve: setup
-	$(PY) -m flows.serve
+	$(PY) -m flows.app.serve
+
+.PHONY: $(STAGES) ui serve
 
 # Debian packages of the browser and PostgreSQL tests (their set-up runs this target when one is missing).
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
@@ -50,7 +68,7 @@ system-deps:
 	else $(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q \
 	    --no-install-recommends $(SYSTEM_PACKAGES); fi
 
-.PHONY: ui serve system-deps
+.PHONY: system-deps
 
 # Mesa's EGL and llvmpipe (headless OpenGL 4.5 on the CPU) for `vip render` and its tests: installed as root
 # through apt-get only when one is missing (a GPU machine's driver may provide its own EGL as well).
@@ -60,57 +78,3 @@ gl-libs:
 	@if ! command -v dpkg >/dev/null || dpkg -s $(GL_PACKAGES) >/dev/null 2>&1; then :; \
 	else $(GL_SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(GL_SUDO) apt-get install -y -q \
 	    --no-install-recommends $(GL_PACKAGES); fi
-
-# `make render`: synthetic images from the built-in shader program generator into $(VIP_HOME)/data/synthetic.
-RENDER_IMAGES ?= 256
-RENDER_SIZE ?= 32
-render: setup
-	$(VIP) render --preset $(PRESET) --out $(VIP_HOME)/data/synthetic --num-images $(RENDER_IMAGES) --size $(RENDER_SIZE)
-
-.PHONY: gl-libs render
-
-# `make ingest URL_LIST=laion.parquet [EVAL_IMAGES=folder]`: a LAION-format url list into clean web shards in
-# $(VIP_HOME)/data/web. Without URL_LIST: the sample web of photographs (and its bad cases) served on 127.0.0.1.
-URL_LIST ?=
-EVAL_IMAGES ?=
-INGEST_OUT ?= $(VIP_HOME)/data/web
-ingest: setup
-	$(if $(URL_LIST),$(VIP) ingest --preset $(PRESET) --url-list $(URL_LIST) --output $(INGEST_OUT) \
-	    $(if $(EVAL_IMAGES),--eval-images $(EVAL_IMAGES)),$(PY) -m tasks.demo_web --preset $(PRESET) --output $(INGEST_OUT))
-
-.PHONY: ingest
-
-# `make pretrain-syn`, then `make pretrain-dp`: MAE pre-training on Ray Train (a local Ray, or the cluster in
-# RAY_ADDRESS): on the synthetic shards without privacy, then with DP on the web shards, warm-started from the
-# synthetic checkpoint. Re-running continues an interrupted run (ledger included) and skips a finished one.
-pretrain-syn: setup
-	$(VIP) pretrain --stage synthetic --preset $(PRESET) --resume
-
-pretrain-dp: setup
-	$(VIP) pretrain --stage private --preset $(PRESET) --resume
-
-.PHONY: pretrain-syn pretrain-dp
-
-# `make eval [CHECKPOINT=run folder or .pt/.pth] [EVAL_DATA=folder] [EVAL_TASKS="linprobe coco"]`: each downstream
-# job on the checkpoint's encoder and, in the same run, on a random-init encoder of the same size (metrics.json
-# in $(VIP_HOME)/runs/$(PRESET)/eval/<task>). Default checkpoint: the DP stage's; default data: the offline
-# sets (digits, COCO-format and ADE20K-format shapes), made once by `vip eval-data`. `make -j` runs jobs in parallel.
-CHECKPOINT ?= $(VIP_HOME)/runs/$(PRESET)/pretrain-dp
-EVAL_DATA ?= $(VIP_HOME)/data/eval
-EVAL_TASKS ?= linprobe finetune fewshot coco ade20k
-EVAL_FOLDER_linprobe := classification
-EVAL_FOLDER_finetune := classification
-EVAL_FOLDER_fewshot := classification
-EVAL_FOLDER_coco := coco
-EVAL_FOLDER_ade20k := ade20k
-
-eval: $(addprefix eval-,$(EVAL_TASKS))
-
-$(EVAL_DATA)/.made: | setup
-	$(VIP) eval-data --preset $(PRESET) --root $(EVAL_DATA) && touch $@
-
-eval-%: setup $(EVAL_DATA)/.made
-	$(VIP) evaluate --task $* --preset $(PRESET) --checkpoint $(CHECKPOINT) --data $(EVAL_DATA)/$(EVAL_FOLDER_$*) \
-	    --output $(VIP_HOME)/runs/$(PRESET)/eval/$*
-
-.PHONY: eval

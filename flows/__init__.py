@@ -1,1 +1,2 @@
-"""Prefect flows: the end-to-end ViP pipeline and one flow per stage. They only compose ``tasks/``."""
+"""Prefect flows: the end-to-end pipeline (``vip-pipeline``) and one flow per make target, composing the stages
+of ``tasks/`` through one :class:`flows.graph.StageGraph`. No torch here; ``flows/app`` is the application above."""

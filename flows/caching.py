@@ -7,22 +7,25 @@ a folder: shards, ``checkpoint.pt``, the class folders of an ImageFolder). Runni
 same config and unchanged inputs finds every finished stage in Prefect's result store and skips it; a
 changed slice or a rewritten input runs the stage again.
 
-The output folder of a stage is named after the same slice (``ingest-1a2b3c4d``, with the url list's
-path for ingestion), so a run with other settings never writes into the folder of a finished one.
+The output folder of a stage is named after the same slice and its input paths (``ingest-1a2b3c4d``),
+so a run with other settings never writes into the folder of a finished one. :func:`stage_folders` names
+every stage's folder for one config and one set of inputs: the pipeline and each stage's own flow use it,
+so they share their folders and their cache keys.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any, Callable
 
 from pydantic import BaseModel
 
+from tasks.runtime.environment import state_paths
+from tasks.runtime.folders import digest, fingerprint
 from vip_core.config import VipConfig
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 
 # The config fields each stage reads; a field outside its slice does not invalidate the stage.
 CONFIG_SLICES: dict[str, tuple[str, ...]] = {
@@ -30,7 +33,7 @@ CONFIG_SLICES: dict[str, tuple[str, ...]] = {
     "render": ("data.render",),
     "pretrain-syn": ("model", "synthetic", "data.loader_workers"),
     "pretrain-dp": ("model", "private", "privacy", "data.loader_workers"),
-    "evaluate": ("model", "evaluation"),
+    "eval": ("model", "evaluation"),
     "audit": ("model", "private", "privacy"),
 }
 # Fields left out of a slice: the list of evaluation tasks does not change what one task computes.
@@ -55,16 +58,33 @@ def stage_folder(workdir: str | Path, stage: str, config: VipConfig, inputs: tup
     return str(Path(workdir) / f"{stage}-{slice_digest(config, stage, inputs)}")
 
 
-def fingerprint(path: str | Path | None) -> Any:
-    """The path with the size and mtime of the file, or of each file at the top of the folder."""
-    if path is None:
-        return None
-    path = Path(path).resolve()
-    if path.is_file():
-        return [str(path), _stat(path)]
-    if path.is_dir():
-        return [str(path), sorted((child.name, _stat(child)) for child in path.iterdir())]
-    return [str(path), "missing"]
+def default_workdir(config: VipConfig) -> str:
+    """``$VIP_HOME/runs/<config name>``: where the stages' folders are unless a flow is given another."""
+    return str(state_paths()["runs"] / config.name)
+
+
+def stage_folders(config: VipConfig, workdir: str | Path, url_list: str, eval_data: str) -> dict[str, str]:
+    """Where each training-side stage writes, for one config and the pipeline's two inputs.
+
+    The evaluation's folder also depends on the checkpoint evaluated (:func:`eval_folder`), the audit's on
+    its own settings (:func:`audit_folder`).
+    """
+    folders = {"ingest": stage_folder(workdir, "ingest", config, inputs=(url_list, eval_data)),
+               "render": stage_folder(workdir, "render", config)}
+    folders["pretrain-syn"] = stage_folder(workdir, "pretrain-syn", config, inputs=(folders["render"],))
+    folders["pretrain-dp"] = stage_folder(
+        workdir, "pretrain-dp", config, inputs=(folders["ingest"], folders["pretrain-syn"]))
+    return folders
+
+
+def eval_folder(config: VipConfig, workdir: str | Path, checkpoint: str, eval_data: str) -> str:
+    """The evaluation's folder (one sub-folder per task) for this checkpoint and evaluation data."""
+    return stage_folder(workdir, "eval", config, inputs=(checkpoint, eval_data))
+
+
+def audit_folder(config: VipConfig, workdir: str | Path, canaries: int) -> str:
+    """The audit's folder for this config (its δ included) and number of canaries."""
+    return f"{stage_folder(workdir, 'audit', config)}-m{canaries}"
 
 
 def stage_cache_key(stage: str | Callable[[dict[str, Any]], str]) -> Callable[[Any, dict[str, Any]], str]:
@@ -107,13 +127,3 @@ def _dump(value: Any, path: str) -> Any:
 
 def _jsonable(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
-
-
-def _stat(path: Path) -> list[int]:
-    stat = path.stat()
-    return [stat.st_size, stat.st_mtime_ns]
-
-
-def digest(payload: Any) -> str:
-    """The sha256 of the payload's canonical JSON."""
-    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()

@@ -1,30 +1,22 @@
-"""The ingestion stage alone: web images from a url list into clean shards."""
+"""The ingestion stage's own flow (``make ingest``): web images from a url list into clean shards."""
 
 from __future__ import annotations
 
 from prefect import flow
 
-from flows.caching import stage_folder
-from flows.pipeline import default_workdir
-from flows.stages import flow_tracking, ingest, run_fresh_if_missing
-from tasks import tracking
+from flows.graph import log_stage_result, stage_graph
 from vip_core.config import VipConfig, tiny
-from vip_core.env import configure_environment
 
 
-@flow(name="vip-ingest", log_prints=True)
-def ingest_flow(config: VipConfig = tiny(), url_list: str = "", eval_images: str = "", workdir: str = "") -> dict:
-    """Downloads, filters, deduplicates and decontaminates ``url_list``.
+@flow(name="vip-ingest")
+def ingest_flow(config: VipConfig = tiny(), url_list: str = "", eval_data: str = "", workdir: str = "") -> dict:
+    """Downloads, filters, deduplicates and decontaminates ``url_list`` into ``<workdir>/ingest-<digest>``.
 
     Args:
         config: ``config.data.ingest`` drives this stage.
         url_list: a LAION-format parquet, csv or jsonl file of image URLs.
-        eval_images: a folder of evaluation images to decontaminate against; empty: none.
-        workdir: empty: ``$VIP_HOME/runs/<config.name>``; the shards go to ``<workdir>/ingest-<digest>``.
+        eval_data: the evaluation data, whose images are removed from the web images; empty: none.
+        workdir: empty: ``$VIP_HOME/runs/<config.name>``.
     """
-    configure_environment()
-    output = stage_folder(workdir or default_workdir(config), "ingest", config, inputs=(url_list, eval_images))
-    with flow_tracking("vip-ingest", config) as parent:
-        result = run_fresh_if_missing(ingest, output)(config, url_list, output, eval_images or None, parent)
-        tracking.log_result(parent, "ingest", result)
-    return result
+    with stage_graph("vip-ingest", config, url_list=url_list, eval_data=eval_data, workdir=workdir) as graph:
+        return log_stage_result(graph, "ingest", graph.ingest().result())

@@ -1,28 +1,20 @@
-"""The rendering stage alone: synthetic images from procedural shader programs."""
+"""The render stage's own flow (``make render``): synthetic images from procedural shader programs."""
 
 from __future__ import annotations
 
 from prefect import flow
 
-from flows.caching import stage_folder
-from flows.pipeline import default_workdir
-from flows.stages import flow_tracking, render, run_fresh_if_missing
-from tasks import tracking
+from flows.graph import log_stage_result, stage_graph
 from vip_core.config import VipConfig, tiny
-from vip_core.env import configure_environment
 
 
-@flow(name="vip-render", log_prints=True)
+@flow(name="vip-render")
 def render_flow(config: VipConfig = tiny(), workdir: str = "") -> dict:
-    """Renders ``config.data.render`` into shards in ``<workdir>/render-<digest>``.
+    """Renders ``config.data.render`` into shards in ``<workdir>/render-<digest>``, as the pipeline does.
 
     Args:
         config: ``config.data.render`` drives this stage.
         workdir: empty: ``$VIP_HOME/runs/<config.name>``.
     """
-    configure_environment()
-    output = stage_folder(workdir or default_workdir(config), "render", config)
-    with flow_tracking("vip-render", config) as parent:
-        result = run_fresh_if_missing(render, output)(config, output, parent)
-        tracking.log_result(parent, "render", result)
-    return result
+    with stage_graph("vip-render", config, workdir=workdir) as graph:
+        return log_stage_result(graph, "render", graph.render().result())

@@ -1,7 +1,7 @@
 """The pipeline's stages as Prefect tasks, and the MLflow parent run of a flow run.
 
 Each task runs one stage function from ``tasks/`` inside the stage's MLflow child run and returns the
-stage's small result dict. Tasks retry on failure (the stage functions resume the work already written)
+stage's small result dict. Flows submit them through :class:`flows.graph.StageGraph`. Tasks retry on failure (the stage functions resume the work already written)
 and cache their result under a key made of their config slice and inputs (:mod:`flows.caching`), in
 Prefect's result store under ``$PREFECT_HOME``: a second run with the same config skips them.
 """
@@ -16,13 +16,13 @@ from typing import Any, Callable, Iterator
 
 from prefect import task
 from prefect.artifacts import create_link_artifact
-from prefect.runtime import flow_run
+from prefect.runtime import flow_run, task_run
 
-from flows.caching import digest, fingerprint, stage_cache_key
-from tasks import tracking
+from flows.caching import stage_cache_key
+from tasks.runtime.folders import digest, fingerprint
+from tasks.runtime import tracking
+from tasks.runtime.names import PRETRAIN_STAGES
 from vip_core.config import VipConfig
-
-PRETRAIN_STAGES = {"synthetic": "pretrain-syn", "private": "pretrain-dp"}
 
 
 def _options(stage: Any, retries: int, retry_delay_seconds: float) -> dict[str, Any]:
@@ -34,10 +34,10 @@ def _options(stage: Any, retries: int, retry_delay_seconds: float) -> dict[str, 
     )
 
 
-@task(name="ingest", **_options("ingest", retries=2, retry_delay_seconds=10))
+@task(name="ingest", task_run_name="ingest", **_options("ingest", retries=2, retry_delay_seconds=10))
 def ingest(config: VipConfig, url_list: str, output: str, eval_images: str | None, parent_run_id: str | None) -> dict:
     """Web images: download the url list, filter, deduplicate, decontaminate against ``eval_images``."""
-    from tasks.ingest import run_ingest
+    from tasks.stages.ingest import run_ingest
 
     with tracking.stage_run(parent_run_id, "ingest", config) as run_id:
         stats = run_ingest(config, url_list, output, eval_images=eval_images)
@@ -45,10 +45,10 @@ def ingest(config: VipConfig, url_list: str, output: str, eval_images: str | Non
     return stats
 
 
-@task(name="render", **_options("render", retries=1, retry_delay_seconds=5))
+@task(name="render", task_run_name="render", **_options("render", retries=1, retry_delay_seconds=5))
 def render(config: VipConfig, output: str, parent_run_id: str | None) -> dict:
     """Synthetic images rendered from the procedural shader programs."""
-    from tasks.render import run_render
+    from tasks.stages.render import run_render
 
     with tracking.stage_run(parent_run_id, "render", config) as run_id:
         stats = in_fresh_process(run_render, config, output)
@@ -67,9 +67,14 @@ def in_fresh_process(function: Callable[..., dict], *args: Any) -> dict:
         return pool.submit(function, *args).result()
 
 
+def _pretrain_stage_name() -> str:
+    """``pretrain-syn`` or ``pretrain-dp``: the run name of a pre-training task run."""
+    return PRETRAIN_STAGES[task_run.parameters["stage"]]
+
+
 @task(
     name="pretrain",
-    task_run_name="pretrain-{stage}",
+    task_run_name=_pretrain_stage_name,
     **_options(lambda parameters: PRETRAIN_STAGES[parameters["stage"]], retries=1, retry_delay_seconds=5),
 )
 def pretrain(
@@ -79,7 +84,7 @@ def pretrain(
 
     A retry resumes from the stage's last checkpoint and continues its privacy ledger.
     """
-    from tasks.pretrain import run_pretrain
+    from tasks.stages.pretrain import run_pretrain
 
     name = PRETRAIN_STAGES[stage]
     with tracking.stage_run(parent_run_id, name, config) as run_id:
@@ -91,21 +96,21 @@ def pretrain(
     return result
 
 
-@task(name="evaluate", task_run_name="eval-{task}", **_options("evaluate", retries=1, retry_delay_seconds=5))
+@task(name="eval", task_run_name="eval-{task}", **_options("eval", retries=1, retry_delay_seconds=5))
 def evaluate(config: VipConfig, task: str, checkpoint: str, data: str, output: str, parent_run_id: str | None) -> dict:
     """One downstream job on the encoder of ``checkpoint``, beside the same job on a random-init encoder.
 
     The job logs its own child run (``eval-<task>``) under ``parent_run_id``.
     """
-    from tasks.evaluate import run_evaluation
+    from tasks.stages.eval import run_evaluation
 
     return run_evaluation(config, task, checkpoint, data, output, mlflow_run_id=parent_run_id)
 
 
-@task(name="audit", **_options("audit", retries=1, retry_delay_seconds=5))
+@task(name="audit", task_run_name="audit", **_options("audit", retries=1, retry_delay_seconds=5))
 def audit(config: VipConfig, canaries: int, output: str, parent_run_id: str | None) -> dict:
     """The privacy audit of the private training recipe: an empirical lower bound on ε from canaries."""
-    from tasks.audit import run_audit
+    from tasks.stages.audit import run_audit
 
     with tracking.stage_run(parent_run_id, "audit", config) as run_id:
         return run_audit(config, canaries, output, mlflow_run_id=run_id)
@@ -113,6 +118,7 @@ def audit(config: VipConfig, canaries: int, output: str, parent_run_id: str | No
 
 @task(
     name="register-encoder",
+    task_run_name="register-encoder",
     cache_key_fn=lambda context, parameters: f"vip-register-{digest(fingerprint(parameters['checkpoint']))}",
     persist_result=True,
     retries=2,
@@ -146,26 +152,3 @@ def flow_tracking(flow_name: str, config: VipConfig) -> Iterator[str]:
 def _checkpoint_file(checkpoint: str) -> str:
     path = Path(checkpoint)
     return str(path / "checkpoint.pt") if path.is_dir() else str(path)
-
-
-@contextlib.contextmanager
-def local_ray(config: VipConfig) -> Iterator[dict]:
-    """One Ray for all the flow's training stages, started from the flow's own thread.
-
-    Joins ``RAY_ADDRESS`` when set, else starts a local Ray sized for the larger stage. The stages find it
-    running and join it, rather than each starting and stopping its own from a task thread.
-    """
-    from tasks.ray_runtime import ray_session
-
-    stages = (config.synthetic, config.private)
-    with ray_session(max(s.num_workers for s in stages), max(s.cpus_per_worker for s in stages)) as ray_info:
-        yield ray_info
-
-
-def run_fresh_if_missing(stage_task: Any, output: str) -> Any:
-    """The task as it is when its output folder exists; otherwise set to refresh its cache entry.
-
-    A cached result names files; when they have been deleted, the stage runs again instead of handing
-    the next stage a path to nothing.
-    """
-    return stage_task if Path(output).exists() else stage_task.with_options(refresh_cache=True)

@@ -11,7 +11,7 @@ from typing import Iterator
 
 os.environ["VIP_HOME"] = tempfile.mkdtemp(prefix="vip-test-home-")
 
-from vip_core.env import configure_environment  # noqa: E402
+from tasks.runtime.environment import configure_environment  # noqa: E402
 
 configure_environment()
 

@@ -9,12 +9,19 @@ data set's ledger.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 Accountant = Literal["prv", "pld", "rdp"]
-EVAL_TASKS = ("linprobe", "finetune", "fewshot", "coco", "ade20k")
+# The evaluation tasks, defined here once: the config, the jobs, the flows and ``vip eval`` read them.
+EvalTask = Literal["linprobe", "finetune", "fewshot", "coco", "ade20k"]
+EVAL_TASKS: tuple[str, ...] = get_args(EvalTask)
+# Where each task finds its public data below an evaluation root: an ImageFolder, a COCO and an ADE20K set.
+EVAL_DATA_FOLDERS: dict[str, str] = {
+    "linprobe": "classification", "finetune": "classification", "fewshot": "classification",
+    "coco": "coco", "ade20k": "ade20k",
+}
 
 
 class _Frozen(BaseModel):
@@ -204,7 +211,7 @@ class EvaluationConfig(_Frozen):
     ``detection_lr`` and ``segmentation_lr`` are absolute.
     """
 
-    tasks: tuple[Literal["linprobe", "finetune", "fewshot", "coco", "ade20k"], ...] = EVAL_TASKS
+    tasks: tuple[EvalTask, ...] = EVAL_TASKS
     linprobe_last_blocks: int = Field(4, gt=0)
     linprobe_epochs: int = Field(10, gt=0)
     linprobe_lr: float = Field(0.1, gt=0)
@@ -352,7 +359,7 @@ def vip_base_paper() -> VipConfig:
 def dp_finetune_imagenet() -> FinetunePrivacyConfig:
     """DP fine-tuning at the paper's ImageNet-1K setting: ε = 8, δ = 8e-7 (other fields: our defaults).
 
-    Use as ``evaluation.finetune_privacy`` or ``vip evaluate --task finetune --dp-finetune imagenet``.
+    Use as ``evaluation.finetune_privacy`` or ``vip eval --task finetune --dp-finetune imagenet``.
     """
     return FinetunePrivacyConfig(enabled=True, target_epsilon=8.0, delta=8e-7)
 

@@ -26,7 +26,6 @@ reference on the first samples of the batch, with fixed masks, as the largest ab
 
 from __future__ import annotations
 
-import argparse
 import copy
 import statistics
 import time
@@ -36,42 +35,6 @@ from typing import Any, Callable
 
 TARGET_RATIO = 1.3
 NAIVE_SAMPLES = 8
-
-
-def register(bench_subparsers: Any) -> None:
-    parser = bench_subparsers.add_parser(
-        "dp-step", help="time and peak memory of a DP-AdamW step of the MAE against the non-private step and opacus",
-    )
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--preset", default="tiny", help="configuration preset for the MAE (default: tiny)")
-    parser.add_argument("--img-size", type=int, default=32, help="image side in pixels (default: 32)")
-    parser.add_argument("--batch", type=int, default=64, help="samples per step (default: 64)")
-    parser.add_argument("--repeats", type=int, default=7, help="timed rounds of every mode (default: 7)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default: 2)")
-    parser.add_argument(
-        "--threads", type=int, default=1,
-        help="torch CPU threads (default: 1, steady on a shared machine); 0 keeps torch's default",
-    )
-    parser.add_argument("--no-opacus", action="store_true", help="skip the two opacus modes")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.set_defaults(handler=handle_bench_dp_step)
-
-
-def handle_bench_dp_step(args: argparse.Namespace) -> int:
-    from tasks.cli import UsageError, print_json
-
-    if min(args.batch, args.repeats, args.img_size) <= 0 or args.warmup < 0 or args.threads < 0:
-        raise UsageError("--batch, --repeats and --img-size must be positive, --warmup and --threads >= 0")
-    result = bench_dp_step(
-        preset=args.preset, img_size=args.img_size, batch=args.batch, repeats=args.repeats, warmup=args.warmup,
-        threads=args.threads, opacus=not args.no_opacus, seed=args.seed,
-    )
-    if args.json:
-        print_json(result)
-    else:
-        for key, value in result.items():
-            print(f"{key:>28}: {value}")
-    return 0
 
 
 def bench_dp_step(
@@ -139,8 +102,6 @@ LR = 1e-4
 
 def _step_functions(config: Any, images: Any, opacus: bool) -> dict[str, tuple[Callable[[], None], list]]:
     """``name -> (one optimiser step, tensors held between steps)`` for every mode, each on its own copy."""
-    import torch
-
     from vip_core.models.mae import build_mae
     from vip_core.privacy.optimizer import dp_adamw
 

@@ -9,7 +9,6 @@ neither side gets the other's compiled programs.
 
 from __future__ import annotations
 
-import argparse
 import os
 import tempfile
 import time
@@ -18,42 +17,11 @@ from typing import Any
 TARGET_RATIO = 0.7
 
 
-def register(bench_subparsers: Any) -> None:
-    parser = bench_subparsers.add_parser(
-        "render", help="images/s of the render stage (encode and write included) against the bare render loop",
-    )
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--sizes", type=int, nargs="+", default=[64, 256], help="image sides (default: 64 256)")
-    parser.add_argument("--num-images", type=int, default=96, help="images per pass (default: 96)")
-    parser.add_argument("--images-per-program", type=int, default=16, help="images per program draw (default: 16)")
-    parser.add_argument("--repeats", type=int, default=2, help="passes of each side; the best counts (default: 2)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.set_defaults(handler=handle_bench_render)
-
-
-def handle_bench_render(args: argparse.Namespace) -> int:
-    from tasks.cli import UsageError, print_json
-
-    if args.num_images <= 0 or args.repeats <= 0 or min(args.sizes) <= 0:
-        raise UsageError("--num-images, --repeats and --sizes must be positive")
-    os.environ["MESA_SHADER_CACHE_DISABLE"] = "true"
-    result = bench_render(args.sizes, args.num_images, args.images_per_program, args.repeats, args.seed)
-    if args.json:
-        print_json(result)
-    else:
-        for size, row in result["sizes"].items():
-            print(
-                f"{size:>4} px  bare {row['bare_images_per_s']:8.1f} img/s  stage {row['stage_images_per_s']:8.1f} "
-                f"img/s  stage/bare {row['stage_over_bare']:.2f}"
-            )
-        print(f"device: {result['device']}; target stage/bare >= {TARGET_RATIO}: {result['meets_target']}")
-    return 0
-
-
 def bench_render(sizes: list[int], num_images: int, images_per_program: int, repeats: int, seed: int) -> dict:
     """Best-of-``repeats`` images/s of the bare loop and of the stage at each size, and their ratio."""
     from vip_core.config import get_preset, with_overrides
 
+    os.environ["MESA_SHADER_CACHE_DISABLE"] = "true"  # neither side gets the other's compiled programs
     rows: dict[str, dict[str, float]] = {}
     device = ""
     for size in sizes:
@@ -98,7 +66,7 @@ def _bare_rate(config: Any) -> tuple[float, str]:
 
 def _stage_rate(config: Any) -> float:
     """Images/s of the whole render stage into a fresh folder."""
-    from tasks.render import run_render
+    from tasks.stages.render import run_render
 
     with tempfile.TemporaryDirectory(prefix="vip-bench-render-") as folder:
         started = time.perf_counter()

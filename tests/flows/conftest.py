@@ -1,83 +1,13 @@
-"""Fixtures of the flow tests: Debian's Chromium and PostgreSQL (installed by ``make system-deps`` when
-missing), the Prefect and MLflow servers on free ports of 127.0.0.1, and a headless Chromium."""
+"""The Prefect API of the flow tests: a temporary Prefect server on its own sqlite database, shared by the
+session (slow to start on a loaded machine)."""
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
-from typing import Iterator
-
 import pytest
-
-from tasks import services
-
-ROOT = Path(__file__).resolve().parents[2]
-ARTIFACTS = ROOT / "test-artifacts"
-CHROMIUM_FLAGS = (
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-    "--window-size=1400,1000",
-)
-
-
-def _missing_system_programs() -> list[str]:
-    missing = [name for name in ("chromium", "chromedriver") if shutil.which(name) is None]
-    if not list(Path("/usr/lib/postgresql").glob("*/bin/initdb")):
-        missing.append("postgresql (initdb)")
-    return missing
+from prefect.testing.utilities import prefect_test_harness
 
 
 @pytest.fixture(scope="session")
-def system_programs() -> None:
-    """Chromium, chromedriver and the PostgreSQL server, installed through ``make system-deps`` if missing."""
-    if _missing_system_programs():
-        result = subprocess.run(["make", "-s", "system-deps"], cwd=ROOT, capture_output=True, text=True)
-        still_missing = _missing_system_programs()
-        if still_missing:
-            pytest.fail(
-                f"`make system-deps` could not install {', '.join(still_missing)} (exit {result.returncode}): "
-                f"{(result.stderr or result.stdout).strip()[-500:]}",
-                pytrace=False,
-            )
-
-
-@pytest.fixture(scope="module")
-def ui_servers() -> Iterator[dict[str, services.Service]]:
-    """The Prefect server and the MLflow server on the test session's stores, as ``make ui`` starts them."""
-    prefect = services.start_prefect_server(port=services.free_port())
-    try:
-        mlflow = services.start_mlflow_server(port=services.free_port())
-    except BaseException:
-        services.stop(prefect)
-        raise
-    with services.running(prefect, mlflow):
-        yield {"prefect": prefect, "mlflow": mlflow}
-
-
-@pytest.fixture
-def browser(system_programs) -> Iterator:
-    """A headless Chromium through chromedriver, with a fresh profile."""
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service as DriverService
-
-    profile = tempfile.mkdtemp(prefix="vip-chromium-")
-    options = webdriver.ChromeOptions()
-    options.binary_location = shutil.which("chromium")
-    for flag in (*CHROMIUM_FLAGS, f"--user-data-dir={profile}"):
-        options.add_argument(flag)
-    driver = webdriver.Chrome(service=DriverService(executable_path=shutil.which("chromedriver")), options=options)
-    driver.set_page_load_timeout(120)
-    try:
-        yield driver
-    finally:
-        driver.quit()
-        shutil.rmtree(profile, ignore_errors=True)
-
-
-@pytest.fixture(scope="session")
-def artifacts_dir() -> Path:
-    """``test-artifacts/`` (git-ignored): screenshots the browser tests keep."""
-    ARTIFACTS.mkdir(exist_ok=True)
-    return ARTIFACTS
+def prefect_api():
+    with prefect_test_harness(server_startup_timeout=300):
+        yield

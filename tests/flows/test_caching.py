@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from types import SimpleNamespace
 
-from flows.caching import fingerprint, stage_cache_key, stage_folder
+from flows.caching import stage_cache_key, stage_folder
 from vip_core.config import tiny, with_overrides
 
 CONTEXT = SimpleNamespace()
@@ -40,7 +40,7 @@ def test_private_pretraining_key_follows_privacy_but_the_synthetic_one_does_not(
 
 
 def test_evaluation_key_does_not_depend_on_the_list_of_other_tasks():
-    key = stage_cache_key("evaluate")
+    key = stage_cache_key("eval")
     fewer = with_overrides(tiny(), {"evaluation.tasks": ["linprobe"]})
     parameters = {"task": "linprobe", "checkpoint": None, "data": None, "output": "/o"}
     assert key(CONTEXT, {"config": tiny(), **parameters}) == key(CONTEXT, {"config": fewer, **parameters})
@@ -49,18 +49,13 @@ def test_evaluation_key_does_not_depend_on_the_list_of_other_tasks():
 def test_a_rewritten_input_file_changes_the_key(tmp_path):
     checkpoint = tmp_path / "checkpoint.pt"
     checkpoint.write_bytes(b"weights one")
-    key = stage_cache_key("evaluate")
+    key = stage_cache_key("eval")
     parameters = {"config": tiny(), "task": "linprobe", "checkpoint": str(tmp_path), "data": None, "output": "/o"}
     before = key(CONTEXT, parameters)
     assert key(CONTEXT, parameters) == before
     checkpoint.write_bytes(b"weights two, retrained")
     os.utime(checkpoint, ns=(1, 1))
     assert key(CONTEXT, parameters) != before
-
-
-def test_fingerprint_of_a_missing_path_says_so(tmp_path):
-    assert fingerprint(tmp_path / "nothing")[1] == "missing"
-    assert fingerprint(None) is None
 
 
 def test_output_folders_are_named_after_the_slice_and_the_inputs(tmp_path):

@@ -1,9 +1,9 @@
 """Webdataset-format tar shards: write them atomically, list them, read them back.
 
 A shard is ``{prefix}-{index:06d}.tar``; a sample is the tar members sharing a key
-(``000123.jpg``, ``000123.json``), as webdataset and img2dataset write them. A shard is written to a
-temporary name and renamed when complete, so a killed writer leaves no half shard behind, and a
-writer opened again on the same folder continues after the last complete shard.
+(``000123.jpg``, ``000123.json``), as webdataset and img2dataset write them. A shard is written whole
+(:func:`write_shard`, through :mod:`vip_core.atomic`), so a killed writer leaves no half shard behind,
+and a writer opened again on the same folder continues after the last complete shard.
 """
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ from typing import Any, Iterable, Iterator
 
 from PIL import Image
 
+from vip_core.atomic import atomic_path, remove_partials
+
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
-_PARTIAL_SUFFIX = ".partial"
+Sample = tuple[str, dict[str, Any]]
 
 
 def list_shards(folder: str | Path, prefix: str = "") -> list[Path]:
@@ -83,11 +85,26 @@ def encode_image(image: Image.Image, fmt: str = "jpg", quality: int = 95) -> byt
     return buffer.getvalue()
 
 
+def write_shard(path: str | Path, samples: Iterable[Sample]) -> Path:
+    """Writes one whole shard: ``samples`` are ``(key, fields)``, ``fields`` mapping an extension to bytes, str
+    or a JSON-able dict. No sample at all gives an empty tar (a shard that is done but holds nothing)."""
+    with atomic_path(path) as partial, tarfile.open(partial, "w") as archive:
+        for key, fields in samples:
+            _check_key(key)
+            for extension, value in fields.items():
+                payload = _as_bytes(value)
+                info = tarfile.TarInfo(f"{key}.{extension}")
+                info.size = len(payload)
+                info.mode = 0o644
+                archive.addfile(info, io.BytesIO(payload))
+    return Path(path)
+
+
 class ShardWriter:
     """Writes samples into numbered shards of at most ``samples_per_shard`` samples each.
 
-    Use as a context manager. Each shard becomes visible (renamed from ``*.partial``) only once full or
-    when the writer closes, so readers and resumed writers never see half a shard.
+    Use as a context manager. A shard is held in memory until full (or the writer closes), then written
+    whole with :func:`write_shard`, so readers and resumed writers never see half a shard.
     """
 
     def __init__(self, folder: str | Path, prefix: str = "shard", samples_per_shard: int = 1000) -> None:
@@ -97,29 +114,22 @@ class ShardWriter:
         self.folder.mkdir(parents=True, exist_ok=True)
         self.prefix = prefix
         self.samples_per_shard = samples_per_shard
-        for stale in self.folder.glob(f"{prefix}-*.tar{_PARTIAL_SUFFIX}"):
-            stale.unlink()
+        remove_partials(self.folder, f"{prefix}-")
         done = list_shards(self.folder, prefix)
         self.next_index = int(done[-1].stem.rpartition("-")[2]) + 1 if done else 0
         self.written: list[Path] = []
-        self._archive: tarfile.TarFile | None = None
-        self._in_shard = 0
+        self._pending: list[Sample] = []
 
     def write(self, key: str, fields: dict[str, Any]) -> None:
         """Adds one sample: ``fields`` maps an extension to bytes, str, or a JSON-able dict."""
-        if "." in key or "/" in key:
-            raise ValueError(f"sample key {key!r} must not contain '.' or '/'")
-        if self._archive is None:
-            self._open_next()
-        for extension, value in fields.items():
-            self._add_member(f"{key}.{extension}", _as_bytes(value))
-        self._in_shard += 1
-        if self._in_shard >= self.samples_per_shard:
-            self._close_current()
+        _check_key(key)
+        self._pending.append((key, fields))
+        if len(self._pending) >= self.samples_per_shard:
+            self._flush()
 
     def close(self) -> list[Path]:
         """Finishes the open shard; returns the shards this writer completed."""
-        self._close_current()
+        self._flush()
         return self.written
 
     def __enter__(self) -> "ShardWriter":
@@ -128,26 +138,18 @@ class ShardWriter:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _open_next(self) -> None:
-        self._final_path = self.folder / f"{self.prefix}-{self.next_index:06d}.tar"
-        self._partial_path = self._final_path.with_name(self._final_path.name + _PARTIAL_SUFFIX)
-        self._archive = tarfile.open(self._partial_path, "w")
-        self._in_shard = 0
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        path = self.folder / f"{self.prefix}-{self.next_index:06d}.tar"
+        self.written.append(write_shard(path, self._pending))
+        self._pending = []
         self.next_index += 1
 
-    def _add_member(self, name: str, payload: bytes) -> None:
-        info = tarfile.TarInfo(name)
-        info.size = len(payload)
-        info.mode = 0o644
-        self._archive.addfile(info, io.BytesIO(payload))  # type: ignore[union-attr]
 
-    def _close_current(self) -> None:
-        if self._archive is None:
-            return
-        self._archive.close()
-        self._archive = None
-        self._partial_path.replace(self._final_path)
-        self.written.append(self._final_path)
+def _check_key(key: str) -> None:
+    if "." in key or "/" in key:
+        raise ValueError(f"sample key {key!r} must not contain '.' or '/'")
 
 
 def _as_bytes(value: Any) -> bytes:
@@ -155,4 +157,4 @@ def _as_bytes(value: Any) -> bytes:
         return value
     if isinstance(value, str):
         return value.encode()
-    return json.dumps(value, sort_keys=True).encode()
+    return json.dumps(value, sort_keys=True, default=str).encode()

@@ -29,7 +29,7 @@ from torchvision.ops import MultiScaleRoIAlign
 from vip_core.eval.datasets import (
     IMAGENET_MEAN, IMAGENET_STD, CocoDetectionDataset, coco_has_masks, coco_paths, detection_collate, read_coco_json,
 )
-from vip_core.eval.optim import layer_decay_param_groups, warmup_cosine
+from vip_core.eval.fit import FitSettings, fit, layer_decay_adamw
 from vip_core.eval.pyramid import SimpleFeaturePyramid, resize_encoder
 
 logger = logging.getLogger(__name__)
@@ -39,18 +39,13 @@ LEVELS = ["0", "1", "2", "3"]
 DEFAULT_DETECTION_SIZE = 800
 
 
-@dataclass(frozen=True)
-class DetectionSettings:
+@dataclass(frozen=True, kw_only=True)
+class DetectionSettings(FitSettings):
     """Detector training: square ``img_size`` inputs, pyramid width ``channels``, AdamW at ``lr``."""
 
     img_size: int
     channels: int
-    epochs: int
-    lr: float
-    batch_size: int
-    layer_decay: float
     weight_decay: float = 0.1
-    seed: int = 0
 
 
 def build_detector(encoder: nn.Module, num_classes: int, with_masks: bool, settings: DetectionSettings) -> nn.Module:
@@ -88,23 +83,18 @@ def train_detector(detector: nn.Module, dataset: CocoDetectionDataset, settings:
     """End-to-end training for ``settings.epochs`` epochs; returns the detector in eval mode."""
     torch.manual_seed(settings.seed)
     loader = DataLoader(dataset, batch_size=settings.batch_size, shuffle=True, collate_fn=detection_collate)
-    total = settings.epochs * len(loader)
-    optimizer = torch.optim.AdamW(layer_decay_param_groups(
-        detector, "backbone.encoder.", len(detector.backbone.encoder.blocks), settings.lr, settings.weight_decay,
-        settings.layer_decay), lr=settings.lr)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, total, max(1, total // 10)))
-    detector.to(device).train()
-    for epoch in range(settings.epochs):
-        for images, targets in loader:
-            losses = detector([image.to(device) for image in images],
-                              [{key: value.to(device) for key, value in target.items()} for target in targets])
-            loss = sum(losses.values())
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            schedule.step()
-        logger.info("detection epoch %d: last loss %.4f (%s)", epoch, loss.item(),
-                    {k: round(v.item(), 4) for k, v in losses.items()})
+    optimizer = layer_decay_adamw(detector, "backbone.encoder.", lr=settings.lr, weight_decay=settings.weight_decay,
+                                  layer_decay=settings.layer_decay)
+    detector.to(device)
+
+    def loss_of(batch: tuple[list[torch.Tensor], list[dict]]) -> torch.Tensor:
+        images, targets = batch
+        losses = detector([image.to(device) for image in images],
+                          [{key: value.to(device) for key, value in target.items()} for target in targets])
+        return sum(losses.values())
+
+    fit(detector, optimizer, lambda: loader, loss_of, epochs=settings.epochs, steps_per_epoch=len(loader),
+        name="detection")
     return detector.eval()
 
 
@@ -162,7 +152,7 @@ def coco_average_precision(annotation_file: Path, detections: list[dict[str, Any
         evaluation.evaluate()
         evaluation.accumulate()
         evaluation.summarize()
-    logger.info("pycocotools %s:\n%s", iou_type, report.getvalue())
+    logger.debug("pycocotools %s:\n%s", iou_type, report.getvalue())
     ap, ap50 = (max(0.0, float(value)) for value in evaluation.stats[:2])  # -1 means "no ground truth"
     return {"ap": ap, "ap50": ap50}
 

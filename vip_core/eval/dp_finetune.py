@@ -22,7 +22,7 @@ from torch.utils.data import Dataset
 
 from vip_core.config import FinetunePrivacyConfig
 from vip_core.eval.finetune import EncoderClassifier, FinetuneSettings
-from vip_core.eval.optim import layer_decay_param_groups
+from vip_core.eval.fit import WARMUP_FRACTION, layer_decay_param_groups
 from vip_core.privacy.ledger import LedgerBook
 from vip_core.privacy.plan import PrivacyPlan, fingerprint_of, plan_and_charge, settle_charge
 from vip_core.privacy.randomness import RandomStream
@@ -48,20 +48,20 @@ def dataset_fingerprint(dataset: Dataset) -> str:
 
 
 def plan_dp_finetune(private: FinetunePrivacyConfig, train: Dataset, runs: Sequence[str],
-                     book: LedgerBook | None = None) -> PrivacyPlan:
+                     ledgers: str | Path) -> PrivacyPlan:
     """Plans the fine-tuning runs ``runs`` on ``train`` against the set's ledger and charges every one.
 
     Args:
         private: the DP fine-tuning settings.
         train: the fine-tuning set (private).
         runs: one id per run (the checkpoint's encoder, the baseline).
-        book: the set's ledger book; the one under ``$VIP_HOME/ledgers`` when None.
+        ledgers: the folder of the privacy ledgers.
 
     Raises:
         ConfigError: the batch is larger than the set, or the budget cannot hold the runs (naming the field).
     """
     fingerprint = dataset_fingerprint(train)
-    book = book if book is not None else LedgerBook.for_data_set(fingerprint)
+    book = LedgerBook.for_data_set(fingerprint, ledgers)
     return plan_and_charge(
         book, runs=runs, purpose=PURPOSE, budget=private, dataset_size=len(train), batch_size=private.batch_size,
         steps=private.steps, fingerprint=fingerprint, field=FIELD, batch_field=f"{FIELD}.batch_size",
@@ -69,8 +69,8 @@ def plan_dp_finetune(private: FinetunePrivacyConfig, train: Dataset, runs: Seque
 
 
 def dp_finetune(model: EncoderClassifier, train: Dataset, settings: FinetuneSettings, private: FinetunePrivacyConfig,
-                plan: PrivacyPlan, device: torch.device, *, run: str, earlier_runs: int = 0,
-                book: LedgerBook | None = None) -> float:
+                plan: PrivacyPlan, device: torch.device, *, run: str, ledgers: str | Path,
+                earlier_runs: int = 0) -> float:
     """Fine-tunes ``model`` privately on ``train`` as run ``run`` of ``plan``; returns the set's ε after it.
 
     Args:
@@ -81,14 +81,14 @@ def dp_finetune(model: EncoderClassifier, train: Dataset, settings: FinetuneSett
         plan: the plan from :func:`plan_dp_finetune`.
         device: where to train.
         run: this run's id, one of the ids the plan was charged for.
+        ledgers: the folder of the privacy ledgers (the set's charge is settled with the steps taken).
         earlier_runs: runs of this plan already taken (their steps count in ε).
-        book: the set's ledger book, settled with the steps taken; the one under ``$VIP_HOME/ledgers`` when None.
     """
     model.to(device).train()
     lr = settings.lr * plan.batch_size / 256
     groups = layer_decay_param_groups(model, "encoder.", len(model.encoder.blocks), lr, settings.weight_decay,
                                       settings.layer_decay)
-    schedule = Schedule(peak_lr=lr, total_steps=plan.steps, warmup_steps=max(1, plan.steps // 10))
+    schedule = Schedule(peak_lr=lr, total_steps=plan.steps, warmup_steps=max(1, int(plan.steps * WARMUP_FRACTION)))
     step = PrivateStep(model, plan, schedule, physical_batch_size=private.physical_batch_size, betas=(0.9, 0.999),
                        weight_decay=settings.weight_decay, param_groups=groups, earlier_runs=earlier_runs)
 
@@ -104,8 +104,7 @@ def dp_finetune(model: EncoderClassifier, train: Dataset, settings: FinetuneSett
             logger.info("DP fine-tune step %d/%d: epsilon %.3f", report.step, plan.steps, report.epsilon)
 
     result = run_steps(step, batch, loss, until=plan.steps, on_step=progress)
-    book = book if book is not None else LedgerBook.for_data_set(plan.fingerprint)
-    settle_charge(book, plan, run, PURPOSE, result.steps)
+    settle_charge(LedgerBook.for_data_set(plan.fingerprint, ledgers), plan, run, PURPOSE, result.steps)
     return step.epsilon
 
 

@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from vip_core.eval.features import topk_accuracy
-from vip_core.eval.optim import layer_decay_param_groups, warmup_cosine
+from vip_core.eval.fit import FitSettings, fit, layer_decay_adamw, warmup_cosine_schedule
 
 logger = logging.getLogger(__name__)
 
@@ -37,29 +37,24 @@ class EncoderClassifier(nn.Module):
         return self.head(self.fc_norm(pooled))  # [N, C]
 
 
-@dataclass(frozen=True)
-class FinetuneSettings:
+@dataclass(frozen=True, kw_only=True)
+class FinetuneSettings(FitSettings):
     """Fine-tuning hyperparameters. ``lr`` is the base rate per 256 examples of the (expected) batch."""
 
-    epochs: int
-    lr: float
-    batch_size: int
-    layer_decay: float
-    weight_decay: float = 0.05
-    seed: int = 0
     num_workers: int = 0
 
 
 def build_optimizer(model: EncoderClassifier, settings: FinetuneSettings, batch_size: int,
                     total_steps: int) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    """AdamW (β 0.9, 0.999) with layer-decayed groups, linear warmup (10 %) then cosine."""
-    lr = settings.lr * batch_size / 256
-    groups = layer_decay_param_groups(model, "encoder.", len(model.encoder.blocks), lr, settings.weight_decay,
-                                      settings.layer_decay)
-    optimizer = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999))
-    warmup = max(1, total_steps // 10)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, total_steps, warmup))
-    return optimizer, schedule
+    """The fine-tuning optimiser (:func:`fine_tuning_adamw`) and its warmup-cosine schedule over ``total_steps``."""
+    optimizer = fine_tuning_adamw(model, settings, batch_size)
+    return optimizer, warmup_cosine_schedule(optimizer, total_steps)
+
+
+def fine_tuning_adamw(model: EncoderClassifier, settings: FinetuneSettings, batch_size: int) -> torch.optim.AdamW:
+    """AdamW with layer-decayed groups at ``settings.lr`` per 256 examples of a ``batch_size`` batch."""
+    return layer_decay_adamw(model, "encoder.", lr=settings.lr * batch_size / 256,
+                             weight_decay=settings.weight_decay, layer_decay=settings.layer_decay)
 
 
 def finetune(model: EncoderClassifier, train: Dataset, settings: FinetuneSettings, device: torch.device) -> EncoderClassifier:
@@ -67,17 +62,15 @@ def finetune(model: EncoderClassifier, train: Dataset, settings: FinetuneSetting
     torch.manual_seed(settings.seed)
     loader = DataLoader(train, batch_size=settings.batch_size, shuffle=True, drop_last=len(train) > settings.batch_size,
                         num_workers=settings.num_workers)
-    total = settings.epochs * len(loader)
-    optimizer, schedule = build_optimizer(model, settings, settings.batch_size, total)
-    model.to(device).train()
-    for epoch in range(settings.epochs):
-        for images, labels in loader:
-            loss = nn.functional.cross_entropy(model(images.to(device)), labels.to(device))
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            schedule.step()
-        logger.info("fine-tune epoch %d: last loss %.4f", epoch, loss.item())
+    optimizer = fine_tuning_adamw(model, settings, settings.batch_size)
+    model.to(device)
+
+    def loss_of(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        images, labels = batch  # [N, 3, S, S], [N]
+        return nn.functional.cross_entropy(model(images.to(device)), labels.to(device))
+
+    fit(model, optimizer, lambda: loader, loss_of, epochs=settings.epochs, steps_per_epoch=len(loader),
+        name="fine-tune")
     return model
 
 

@@ -32,11 +32,11 @@ Job = Callable[[nn.Module], dict[str, float]]
 
 
 def prepare_job(task: str, data: str | Path, evaluation: EvaluationConfig, model: ModelConfig,
-                device: torch.device, runs: Sequence[str] = ("result",)) -> Job:
+                device: torch.device, runs: Sequence[str] = ("result",), ledgers: str | Path | None = None) -> Job:
     """Opens ``data`` for ``task`` and returns the job as a function of the encoder.
 
     ``runs`` names the encoders the job will be called on, in order (``result``, then ``baseline``): DP
-    fine-tuning charges each of them to the fine-tuning set's ledger before any runs.
+    fine-tuning charges each of them to the fine-tuning set's ledger, in the folder ``ledgers``, before any runs.
 
     Raises:
         FileNotFoundError: a path the task needs is missing (named in the message).
@@ -46,7 +46,7 @@ def prepare_job(task: str, data: str | Path, evaluation: EvaluationConfig, model
     if task not in builders:
         raise ValueError(f"unknown task {task!r} (known: {', '.join(EVAL_TASKS)})")
     if task == "finetune":
-        return _finetune(Path(data), evaluation, model, device, runs)
+        return _finetune(Path(data), evaluation, model, device, runs, ledgers)
     return builders[task](Path(data), evaluation, model, device)
 
 
@@ -88,7 +88,7 @@ def _fewshot(data: Path, evaluation: EvaluationConfig, model: ModelConfig, devic
 
 
 def _finetune(data: Path, evaluation: EvaluationConfig, model: ModelConfig, device: torch.device,
-              runs: Sequence[str]) -> Job:
+              runs: Sequence[str], ledgers: str | Path | None) -> Job:
     dataset = open_classification(data)
     train = dataset.split("train", model.img_size, augment=True)
     val = dataset.split("val", model.img_size)
@@ -103,11 +103,14 @@ def _finetune(data: Path, evaluation: EvaluationConfig, model: ModelConfig, devi
                     "chance_top1": 1 / dataset.num_classes}
 
         return job
-    return _dp_finetune_job(train, val, dataset.num_classes, settings, evaluation, device, runs)
+    if ledgers is None:
+        raise ValueError("evaluation.finetune_privacy.enabled: DP fine-tuning needs the folder of the privacy "
+                         "ledgers, to charge the fine-tuning set")
+    return _dp_finetune_job(train, val, dataset.num_classes, settings, evaluation, device, runs, Path(ledgers))
 
 
 def _dp_finetune_job(train, val, num_classes: int, settings: FinetuneSettings, evaluation: EvaluationConfig,
-                     device: torch.device, runs: Sequence[str]) -> Job:
+                     device: torch.device, runs: Sequence[str], ledgers: Path) -> Job:
     """DP fine-tuning of each encoder in turn, every run charged to the set's ledger before the first starts.
 
     ``dp_epsilon`` is the set's ε once every planned run is taken (the ε to report for any of them);
@@ -118,7 +121,7 @@ def _dp_finetune_job(train, val, num_classes: int, settings: FinetuneSettings, e
     job_id = uuid.uuid4().hex[:12]
     run_ids = [f"{job_id}-{role}" for role in runs]
     private = evaluation.finetune_privacy
-    plan = plan_dp_finetune(private, train, run_ids)  # settings that cannot hold fail now, before any training
+    plan = plan_dp_finetune(private, train, run_ids, ledgers)  # settings that cannot hold fail now, before training
     taken: list[str] = []
 
     def job(encoder: nn.Module) -> dict[str, float]:
@@ -127,7 +130,7 @@ def _dp_finetune_job(train, val, num_classes: int, settings: FinetuneSettings, e
                                "is left for another")
         classifier = EncoderClassifier(encoder, num_classes)
         epsilon = dp_finetune(classifier, train, settings, private, plan, device, run=run_ids[len(taken)],
-                              earlier_runs=len(taken))
+                              ledgers=ledgers, earlier_runs=len(taken))
         taken.append(run_ids[len(taken)])
         return {**evaluate_classifier(classifier, val, evaluation.batch_size, device), "chance_top1": 1 / num_classes,
                 "dp_epsilon": plan.epsilon, "dp_epsilon_after_this_run": epsilon, "dp_delta": plan.delta,

@@ -8,19 +8,15 @@ weight decay. The encoder is frozen and the images are not augmented, so the fea
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Iterator, Literal
 
 import torch
 from torch import nn
 
 from vip_core.eval.features import topk_accuracy
-from vip_core.eval.optim import warmup_cosine
-
-logger = logging.getLogger(__name__)
-
+from vip_core.eval.fit import fit
 
 class LARS(torch.optim.Optimizer):
     """Layer-wise adaptive rate scaling (You et al. 2017), as MAE's linear probe uses it.
@@ -83,21 +79,16 @@ def train_probe(features: torch.Tensor, labels: torch.Tensor, num_classes: int, 
         optimizer = LARS(head.parameters(), lr=lr, weight_decay=0.0)
     else:
         optimizer = torch.optim.SGD(head.parameters(), lr=lr, momentum=0.9, weight_decay=0.0)
-    steps_per_epoch = math.ceil(len(features) / settings.batch_size)
-    total = settings.epochs * steps_per_epoch
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, total, max(1, total // 10)))
-    head.train()
-    for _ in range(settings.epochs):
+
+    def batches() -> Iterator[torch.Tensor]:
         order = torch.randperm(len(features), generator=generator)
-        for batch in order.split(settings.batch_size):
-            if len(batch) < 2:
-                continue  # BatchNorm needs two examples to normalise
-            loss = nn.functional.cross_entropy(head(features[batch]), labels[batch])  # features: [B, F]
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            schedule.step()
-    logger.info("linear probe trained: %d steps, last loss %.4f", total, loss.item())
+        return (batch for batch in order.split(settings.batch_size) if len(batch) >= 2)  # BatchNorm needs two
+
+    def loss_of(batch: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(head(features[batch]), labels[batch])  # features: [B, F]
+
+    fit(head, optimizer, batches, loss_of, epochs=settings.epochs,
+        steps_per_epoch=math.ceil(len(features) / settings.batch_size), name="linear probe")
     return head.eval()
 
 

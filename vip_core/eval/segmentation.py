@@ -10,7 +10,6 @@ truth or the predictions, and pixel accuracy.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,25 +18,16 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from vip_core.eval.datasets import IGNORE_LABEL, SegmentationDataset, ade20k_pairs, ade20k_root, segmentation_collate
-from vip_core.eval.optim import layer_decay_param_groups, warmup_cosine
+from vip_core.eval.fit import FitSettings, fit, layer_decay_adamw
 from vip_core.eval.pyramid import SCALES, SimpleFeaturePyramid, resize_encoder
 
-logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class SegmentationSettings:
+@dataclass(frozen=True, kw_only=True)
+class SegmentationSettings(FitSettings):
     """Segmenter training: square ``img_size`` inputs, ``num_classes`` classes (ADE20K: 150)."""
 
     img_size: int
     channels: int
     num_classes: int
-    epochs: int
-    lr: float
-    batch_size: int
-    layer_decay: float
-    weight_decay: float = 0.05
-    seed: int = 0
 
 
 class Segmenter(nn.Module):
@@ -67,21 +57,17 @@ def train_segmenter(model: Segmenter, dataset: SegmentationDataset, settings: Se
     torch.manual_seed(settings.seed)
     loader = DataLoader(dataset, batch_size=settings.batch_size, shuffle=True, collate_fn=segmentation_collate,
                         drop_last=len(dataset) > settings.batch_size)
-    total = settings.epochs * len(loader)
-    optimizer = torch.optim.AdamW(layer_decay_param_groups(
-        model, "backbone.encoder.", len(model.backbone.encoder.blocks), settings.lr, settings.weight_decay,
-        settings.layer_decay), lr=settings.lr)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, total, max(1, total // 10)))
-    model.to(device).train()
-    for epoch in range(settings.epochs):
-        for images, labels in loader:
-            logits = model(images.to(device))  # [N, K, S, S]
-            loss = nn.functional.cross_entropy(logits, torch.stack(labels).to(device), ignore_index=IGNORE_LABEL)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            schedule.step()
-        logger.info("segmentation epoch %d: last loss %.4f", epoch, loss.item())
+    optimizer = layer_decay_adamw(model, "backbone.encoder.", lr=settings.lr, weight_decay=settings.weight_decay,
+                                  layer_decay=settings.layer_decay)
+    model.to(device)
+
+    def loss_of(batch: tuple[torch.Tensor, list[torch.Tensor]]) -> torch.Tensor:
+        images, labels = batch
+        logits = model(images.to(device))  # [N, K, S, S]
+        return nn.functional.cross_entropy(logits, torch.stack(labels).to(device), ignore_index=IGNORE_LABEL)
+
+    fit(model, optimizer, lambda: loader, loss_of, epochs=settings.epochs, steps_per_epoch=len(loader),
+        name="segmentation")
     return model.eval()
 
 

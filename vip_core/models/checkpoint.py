@@ -20,6 +20,7 @@ import torch
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
+from vip_core.atomic import atomic_path
 from vip_core.config import ModelConfig, VipConfig, validate_config
 from vip_core.models.mae import GlobalPool, MaskedAutoencoderViT, build_encoder, build_mae, export_encoder
 
@@ -64,12 +65,8 @@ def save_checkpoint(path: str | os.PathLike[str], *, model: nn.Module, config: V
     target = checkpoint_file(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     payload = {"model": _unwrap(model).state_dict(), "config": config.model_dump(mode="json"), **extra}
-    partial_file = target.with_name(f".{target.name}.{os.getpid()}.partial")
-    try:
+    with atomic_path(target) as partial_file:
         torch.save(payload, partial_file)
-        os.replace(partial_file, target)
-    finally:
-        partial_file.unlink(missing_ok=True)
     logger.info("saved checkpoint %s", target)
     return target
 

@@ -2,8 +2,8 @@
 
 Two pieces:
 
-* :class:`LedgerBook`: one JSON file per private data set (``$VIP_HOME/ledgers/<fingerprint>.json``, or in
-  ``$VIP_LEDGER_DIR``) that
+* :class:`LedgerBook`: one JSON file per private data set (``<ledgers>/<fingerprint>.json``; the tasks keep
+  them in ``$VIP_HOME/ledgers``, or in ``$VIP_LEDGER_DIR``) that
   lists every run charged to the set, each as a :class:`Charge` ``(run, σ, q, steps, purpose)``. A run is
   charged with its planned steps when it is planned (before its first step), so a run that dies and is
   never resumed stays charged in full; at its end the charge is set to the steps it took. A resumed run
@@ -25,10 +25,8 @@ import os
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+from vip_core.atomic import write_json
 from vip_core.privacy.accounting import DEFAULT_ACCOUNTANT, check_arguments, composed_epsilon
-
-LEDGER_FOLDER = "ledgers"
-
 
 @dataclasses.dataclass(frozen=True)
 class Charge:
@@ -166,13 +164,9 @@ class LedgerBook:
         self._memory: dict[str, Charge] = {}
 
     @classmethod
-    def for_data_set(cls, fingerprint: str, home: str | os.PathLike[str] | None = None) -> "LedgerBook":
-        """The book of the data set ``fingerprint`` in ``home/ledgers``; when None, in ``$VIP_LEDGER_DIR``, else
-        ``$VIP_HOME/ledgers``."""
-        from vip_core.env import state_paths
-
-        folder = Path(home) / LEDGER_FOLDER if home is not None else state_paths()["ledgers"]
-        return cls(folder / f"{fingerprint}.json", fingerprint)
+    def for_data_set(cls, fingerprint: str, folder: str | os.PathLike[str]) -> "LedgerBook":
+        """The book of the data set ``fingerprint`` in the ledger folder ``folder``."""
+        return cls(Path(folder) / f"{fingerprint}.json", fingerprint)
 
     @classmethod
     def in_memory(cls, fingerprint: str = "not-a-private-set") -> "LedgerBook":
@@ -206,9 +200,7 @@ class LedgerBook:
             return
         payload = {"fingerprint": self.fingerprint,
                    "charges": [dataclasses.asdict(item) for item in charges.values()]}
-        partial = self.path.with_name(f".{self.path.name}.{os.getpid()}.partial")
-        partial.write_text(json.dumps(payload, indent=2))
-        partial.replace(self.path)
+        write_json(self.path, payload)
 
     def epsilon(self, *, delta: float, accountant: str) -> float:
         """The composed ε of every charge."""

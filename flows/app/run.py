@@ -1,0 +1,189 @@
+"""``make run`` and ``make <stage>``: a flow of the pipeline on one machine, with everything it needs made locally.
+
+1. The inputs, unless given: small public evaluation sets made offline (``tasks.fixtures.eval_sets``:
+   digits in ImageFolder layout, shapes in COCO and ADE20K layouts), and a small web of photographs served
+   on 127.0.0.1 (``tasks.fixtures.web``) with a LAION-style url list of it, which the ingestion stage
+   downloads through img2dataset as it would download LAION.
+2. The target's flow (``flows/targets.py``: ``vip-pipeline`` for ``make run``, the stage's own flow for
+   ``make <stage>``) on local Prefect (``make ui``'s server when it runs, else a temporary one on the same
+   database), a local Ray and the sqlite MLflow store under ``$VIP_HOME``; the training stages print their
+   step, loss and ε as they go.
+3. The state of each stage (Completed, Cached) and, for ``make run``, the results table and where to look.
+
+Every target names its stages' folders and cache keys as the pipeline does, so what one target did is
+Cached in the others. The sample web is served on a fixed port (``--web-port``), so the url list, and with
+it the ingestion stage, stays the same from one run to the next.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import inspect
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+from tasks.runtime.environment import configure_environment, state_paths
+from tasks.runtime.names import STAGES
+from vip_core.config import VipConfig, get_preset, with_overrides
+
+TARGETS = ("run", *STAGES)
+WEB_PORT = 8765
+WEB_IMAGES = 320
+SHAPE_SCENES = 160
+PROGRESS_LOGGERS = "tasks,vip_core,flows"
+
+
+@contextlib.contextmanager
+def flow_inputs(config: VipConfig, wanted: set[str], *, url_list: str = "", eval_data: str = "",
+                web_port: int = WEB_PORT, images: int = WEB_IMAGES) -> Iterator[dict[str, str]]:
+    """The inputs a flow takes (``wanted`` of ``url_list``, ``eval_data``): the given ones, else the demo's.
+
+    The demo's evaluation sets are made once under ``$VIP_HOME/demo/eval``; its sample web is served for the
+    block, and its url list written once, only when the flow reads a url list and none is given.
+    """
+    demo = state_paths()["home"] / "demo"
+    inputs = {}
+    if "eval_data" in wanted:
+        inputs["eval_data"] = eval_data or _demo_eval_data(demo / "eval", config.model.img_size)
+    if "url_list" not in wanted or url_list:
+        yield {**inputs, **({"url_list": url_list} if url_list else {})}
+        return
+    from tasks.fixtures.web import serving, write_sample_url_list
+
+    with serving(demo / "web", web_port) as base_url:
+        path = demo / f"urls-{web_port}.parquet"
+        if not path.exists():
+            write_sample_url_list(path, base_url, images)
+        say(f"web sample served at {base_url}; url list {path}")
+        yield {**inputs, "url_list": str(path)}
+
+
+def run_target(target: str, config: VipConfig, **options: Any) -> Any:
+    """Runs the flow of make target ``target`` on ``config``; returns its final Prefect state.
+
+    Args:
+        target: ``run`` or a stage name.
+        config: the run's configuration.
+        options: the flow's other parameters (``checkpoint``, ``audit_canaries``, ...) and :func:`flow_inputs`'
+            options (``url_list``, ``eval_data``, ``web_port``, ``images``); each flow takes those it declares.
+    """
+    from flows.app.progress import TrainingProgress
+    from flows.targets import FLOWS
+
+    flow = FLOWS[target]
+    accepted = set(inspect.signature(flow.fn).parameters)
+    input_options = {key: options.pop(key) for key in ("url_list", "eval_data", "web_port", "images") if key in options}
+    with flow_inputs(config, accepted, **input_options) as inputs, TrainingProgress():
+        parameters = {key: value for key, value in {**options, **inputs}.items() if key in accepted and value != ""}
+        return flow(config=config, **parameters, return_state=True)
+
+
+def stage_states(flow_state: Any) -> list[tuple[str, str]]:
+    """``(task run name, state name)`` of every task run of the flow run, in the order they started."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.client.schemas.sorting import TaskRunSort
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_state.state_details.flow_run_id])),
+            sort=TaskRunSort.EXPECTED_START_TIME_ASC)
+    return [(run.name, run.state.name) for run in runs]
+
+
+def report(target: str, flow_state: Any, seconds: float) -> str:
+    """What a person reads at the end: each stage's state, then the results table (``make run``) or the
+    stage's result, and where to look."""
+    from flows.app.servers import prefect_url
+    from tasks.runtime import results
+
+    states = stage_states(flow_state)
+    width = max(len(name) for name, _ in states) if states else 0
+    lines = ["", f"make {target}: {flow_state.name} in {seconds / 60:.1f} min", "",
+             *(f"  {name.ljust(width)}  {state}" for name, state in states), ""]
+    result = flow_state.result() if flow_state.is_completed() else None
+    if result is None:
+        lines += [f"  {flow_state.message}", ""]
+    elif target == "run":
+        lines += [results.text_table(result), ""]
+    elif target == "eval":
+        lines += [*results.evaluation_table(result), ""]
+    else:
+        lines += [f"  {target}: {results.one_line(result)}", ""]
+    prefect_base = os.environ.get("PREFECT_API_URL", f"{prefect_url()}/api").removesuffix("/api")
+    lines += ["Where to look (start the servers with `make ui` if they are not running):",
+              f"  Prefect flow run: {prefect_base}/runs/flow-run/{flow_state.state_details.flow_run_id}"]
+    if target == "run" and result is not None:
+        lines += _mlflow_links(result)
+    lines += ["", "The (ε, δ) guarantee covers the private pre-training data only; evaluation data is public."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m flows.app.run", description=__doc__.splitlines()[0])
+    parser.add_argument("target", choices=TARGETS, help="run: the whole pipeline; a stage: its own flow")
+    parser.add_argument("--preset", default="tiny", help="the config preset (default: tiny)")
+    parser.add_argument("--url-list", default="", help="a LAION-format url list (default: the sample web's)")
+    parser.add_argument("--eval-data", default="", help="the evaluation sets' folder (default: the offline ones)")
+    parser.add_argument("--checkpoint", default="", help="eval: this checkpoint instead of the pipeline's encoder")
+    parser.add_argument("--eval-tasks", default="", help="eval: these tasks (space-separated) instead of the preset's")
+    parser.add_argument("--web-port", type=int, default=WEB_PORT, help="the sample web's port on 127.0.0.1")
+    parser.add_argument("--images", type=int, default=WEB_IMAGES, help="photographs in the sample web")
+    args = parser.parse_args(argv)
+    configure_environment()
+    try:
+        config = _config(args.preset, args.eval_tasks)
+    except ValueError as error:
+        print(f"make {args.target}: error: {error}", file=sys.stderr)
+        return 2
+    prepare_console()
+    started = time.perf_counter()
+    state = run_target(args.target, config, url_list=args.url_list, eval_data=args.eval_data,
+                       checkpoint=args.checkpoint, web_port=args.web_port, images=args.images)
+    print(report(args.target, state, time.perf_counter() - started), flush=True)
+    return 0 if state.is_completed() else 1
+
+
+def prepare_console() -> None:
+    """Prefect on the terminal: ``make ui``'s server when it runs, the project's own loggers shown, and time for
+    a temporary server to create its database on a busy machine (more than Prefect's 20 s)."""
+    from flows.app.servers import use_running_prefect_server
+
+    os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", PROGRESS_LOGGERS)
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "300")
+    server = use_running_prefect_server()
+    say(f"Prefect API: {server or 'a temporary local server'}; MLflow: {os.environ['MLFLOW_TRACKING_URI']}")
+
+
+def say(message: str) -> None:
+    """A line for the person at the terminal."""
+    print(f"[vip] {message}", flush=True)
+
+
+def _config(preset: str, eval_tasks: str) -> VipConfig:
+    config = get_preset(preset)
+    return with_overrides(config, {"evaluation.tasks": tuple(eval_tasks.split())}) if eval_tasks else config
+
+
+def _demo_eval_data(root: Path, img_size: int) -> str:
+    from tasks.fixtures.eval_sets import make_eval_sets
+
+    made = make_eval_sets(root, img_size, SHAPE_SCENES)
+    say(f"evaluation data (public, offline) in {root}" + (" (made now)" if any(s["made"] for s in made.values()) else ""))
+    return str(root)
+
+
+def _mlflow_links(summary: dict) -> list[str]:
+    from tasks.runtime import tracking
+
+    return [f"  MLflow run:       {tracking.run_ui_url(summary['mlflow_run_id'])}",
+            f"  MLflow model:     {tracking.ui_base_url()}/#/models/{summary['registered_model'].split('/')[0]}",
+            f"  files:            {summary['workdir']}"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

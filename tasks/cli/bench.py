@@ -1,0 +1,101 @@
+"""``vip bench dp-step | render | ingest``: benchmarks that print their figures beside a baseline measured in
+the same run (the measurements are in ``tasks/benchmarks/``)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from tasks.cli.options import add_command, add_json, add_preset, count
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("bench", help="benchmarks with a same-run baseline")
+    benchmarks = parser.add_subparsers(dest="benchmark", required=True, parser_class=type(parser))
+    _register_dp_step(benchmarks)
+    _register_render(benchmarks)
+    _register_ingest(benchmarks)
+
+
+def _register_dp_step(benchmarks: Any) -> None:
+    parser = add_command(benchmarks, "dp-step", handle_dp_step, help="time and peak memory of a DP-AdamW step "
+                         "of the MAE against the non-private step and opacus")
+    add_json(parser)
+    add_preset(parser)
+    parser.add_argument("--img-size", type=count(1), default=32, help="image side in pixels (default: 32)")
+    parser.add_argument("--batch", type=count(1), default=64, help="samples per step (default: 64)")
+    parser.add_argument("--repeats", type=count(1), default=7, help="timed rounds of every mode (default: 7)")
+    parser.add_argument("--warmup", type=count(0), default=2, help="untimed rounds first (default: 2)")
+    parser.add_argument("--threads", type=count(0), default=1,
+                        help="torch CPU threads (default: 1, steady on a shared machine); 0 keeps torch's default")
+    parser.add_argument("--no-opacus", action="store_true", help="skip the two opacus modes")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def _register_render(benchmarks: Any) -> None:
+    parser = add_command(benchmarks, "render", handle_render, help="images/s of the render stage (encode and write "
+                         "included) against the bare render loop")
+    add_json(parser)
+    parser.add_argument("--sizes", type=count(1), nargs="+", default=[64, 256], help="image sides (default: 64 256)")
+    parser.add_argument("--num-images", type=count(1), default=96, help="images per pass (default: 96)")
+    parser.add_argument("--images-per-program", type=count(1), default=16,
+                        help="images per program draw (default: 16)")
+    parser.add_argument("--repeats", type=count(1), default=2, help="passes of each side; the best counts (default: 2)")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def _register_ingest(benchmarks: Any) -> None:
+    parser = add_command(benchmarks, "ingest", handle_ingest, help="images/s of the ingestion stage (filters, dedup, "
+                         "decontamination) against img2dataset alone")
+    add_json(parser)
+    parser.add_argument("--num-images", type=count(1), default=1000, help="rows in the url list (default: 1000)")
+    parser.add_argument("--max-side", type=count(1), default=256,
+                        help="longer side of the served photographs (default: 256)")
+    parser.add_argument("--image-size", type=count(1), default=64, help="output image side (default: 64)")
+    parser.add_argument("--processes", type=count(1), default=1, help="download processes (default: 1)")
+    parser.add_argument("--threads", type=count(1), default=16, help="threads per process (default: 16)")
+    parser.add_argument("--samples-per-shard", type=count(1), default=250, help="rows per shard (default: 250)")
+    parser.add_argument("--eval-images", type=count(0), default=200,
+                        help="evaluation images to decontaminate against")
+    parser.add_argument("--repeats", type=count(1), default=1, help="passes of each side; the best counts (default: 1)")
+
+
+def handle_dp_step(args: argparse.Namespace) -> int:
+    from tasks.benchmarks.dp_step import bench_dp_step
+
+    result = bench_dp_step(preset=args.preset, img_size=args.img_size, batch=args.batch, repeats=args.repeats,
+                           warmup=args.warmup, threads=args.threads, opacus=not args.no_opacus, seed=args.seed)
+    return _report(args, result, [f"{key:>28}: {value}" for key, value in result.items()])
+
+
+def handle_render(args: argparse.Namespace) -> int:
+    from tasks.benchmarks.render import bench_render
+
+    result = bench_render(args.sizes, args.num_images, args.images_per_program, args.repeats, args.seed)
+    lines = [f"{size:>4} px  bare {row['bare_images_per_s']:8.1f} img/s  stage {row['stage_images_per_s']:8.1f} "
+             f"img/s  stage/bare {row['stage_over_bare']:.2f}" for size, row in result["sizes"].items()]
+    lines.append(f"device: {result['device']}; target stage/bare >= {result['target_stage_over_bare']}: "
+                 f"{result['meets_target']}")
+    return _report(args, result, lines)
+
+
+def handle_ingest(args: argparse.Namespace) -> int:
+    from tasks.benchmarks.ingest import bench_ingest
+
+    result = bench_ingest(num_images=args.num_images, max_side=args.max_side, image_size=args.image_size,
+                          processes=args.processes, threads=args.threads, samples_per_shard=args.samples_per_shard,
+                          eval_images=args.eval_images, repeats=args.repeats)
+    lines = [f"img2dataset alone {result['img2dataset_images_per_s']:8.1f} img/s   ingest stage "
+             f"{result['stage_images_per_s']:8.1f} img/s   overhead {100 * result['overhead']:.1f}%",
+             f"target overhead < {100 * result['target_overhead']:.0f}%: {result['meets_target']}"]
+    return _report(args, result, lines)
+
+
+def _report(args: argparse.Namespace, result: dict, lines: list[str]) -> int:
+    from tasks.cli import print_json
+
+    if args.json:
+        print_json(result)
+    else:
+        print("\n".join(lines))
+    return 0

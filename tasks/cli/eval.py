@@ -1,0 +1,76 @@
+"""``vip eval``: one downstream job on a checkpoint's encoder and a random-init baseline;
+``vip eval-data``: the small offline evaluation sets (digits, COCO-format shapes, ADE20K-format shapes)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+from tasks.cli.options import add_command, add_data, add_mlflow_parent, add_output, add_preset, count
+from vip_core.config import EVAL_TASKS
+
+
+def register(subparsers: Any) -> None:
+    parser = add_command(
+        subparsers, "eval", handle_eval, help="run one downstream evaluation job (with its random-init baseline)",
+        description="Runs one job on the checkpoint's encoder and on a randomly initialised encoder of the same "
+        "size, and writes metrics.json with both. Data layouts: ImageFolder (train/, val/) for linprobe, "
+        "finetune and fewshot; COCO (annotations/instances_{train,val}2017.json, {train,val}2017/) for coco; "
+        "ADE20K (images/, annotations/ with training/, validation/) for ade20k. Evaluation data is public: "
+        "the pre-training privacy guarantee does not cover it.",
+    )
+    parser.add_argument("--task", required=True, choices=EVAL_TASKS)
+    parser.add_argument("--checkpoint", required=True, help="checkpoint file or run folder (checkpoint.pt)")
+    add_data(parser, "the task's dataset")
+    add_output(parser, "metrics.json")
+    add_preset(parser)
+    parser.add_argument("--dp-finetune", metavar="NAME",
+                        help="finetune with DP at a named setting (imagenet: the paper's ε 8, δ 8e-7)")
+    add_mlflow_parent(parser)
+
+    data_parser = add_command(
+        subparsers, "eval-data", handle_eval_data, help="make the small offline evaluation sets",
+        description="Writes classification/ (scikit-learn digits, ImageFolder), coco/ (COCO-format shapes with "
+        "boxes and masks) and ade20k/ (ADE20K-format shapes) below --output, at the preset's image size; a set "
+        "already there is kept.",
+    )
+    add_output(data_parser, "the three sets")
+    add_preset(data_parser)
+    data_parser.add_argument("--scenes", type=count(1), default=64, help="training scenes of coco/ and ade20k/")
+
+
+def evaluation_config(args: argparse.Namespace) -> Any:
+    """The preset, with the named DP fine-tuning setting when ``--dp-finetune`` is given."""
+    from tasks.cli import UsageError
+    from vip_core.config import DP_FINETUNE_PRESETS, get_preset
+
+    config = get_preset(args.preset)
+    if args.dp_finetune is None:
+        return config
+    if args.task != "finetune":
+        raise UsageError(f"--dp-finetune applies to --task finetune, not {args.task}")
+    if args.dp_finetune not in DP_FINETUNE_PRESETS:
+        raise UsageError(f"--dp-finetune: unknown setting {args.dp_finetune!r} (known: {', '.join(DP_FINETUNE_PRESETS)})")
+    evaluation = config.evaluation.model_copy(update={"finetune_privacy": DP_FINETUNE_PRESETS[args.dp_finetune]()})
+    return config.model_copy(update={"evaluation": evaluation})
+
+
+def handle_eval(args: argparse.Namespace) -> int:
+    from tasks.cli import print_json
+    from tasks.stages.eval import run_evaluation
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    config = evaluation_config(args)
+    print_json(run_evaluation(config, args.task, args.checkpoint, args.data, args.output,
+                              mlflow_run_id=args.mlflow_parent))
+    return 0
+
+
+def handle_eval_data(args: argparse.Namespace) -> int:
+    from tasks.cli import print_json
+    from tasks.fixtures.eval_sets import make_eval_sets
+    from vip_core.config import get_preset
+
+    print_json(make_eval_sets(args.output, get_preset(args.preset).model.img_size, args.scenes))
+    return 0

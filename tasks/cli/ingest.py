@@ -1,0 +1,57 @@
+"""``vip ingest``: a LAION-format url list to clean webdataset shards (img2dataset, filters, dedup)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from tasks.cli.options import add_command, add_config_flags, add_output, add_preset, config_from
+
+# Flag -> (field of the config, type, help); a flag left out keeps the preset's value.
+INGEST_FLAGS = {
+    "--image-size": ("data.ingest.image_size", int, "side of the square output images, in pixels"),
+    "--processes": ("data.ingest.processes", int, "img2dataset download processes"),
+    "--threads": ("data.ingest.threads", int, "download threads per process"),
+    "--timeout": ("data.ingest.timeout_s", float, "seconds before a download is abandoned"),
+    "--samples-per-shard": ("data.ingest.samples_per_shard", int, "url-list rows per shard"),
+    "--min-side": ("data.ingest.min_side", int, "smallest allowed image side, in pixels"),
+}
+
+
+def register(subparsers: Any) -> None:
+    parser = add_command(
+        subparsers, "ingest", handle_ingest, help="download a LAION-format url list into clean webdataset shards",
+        description="Downloads a url list (parquet, csv or jsonl with a URL column) with img2dataset, drops "
+        "failed downloads, NSFW-tagged, small and extreme-aspect images and rows failing --condition, removes "
+        "exact and perceptual duplicates and near duplicates of --eval-images, and writes web-*.tar shards, "
+        "manifest.parquet and stats.json in --output. Honours X-Robots-Tag: noai. Resumes a killed run.",
+    )
+    parser.add_argument("--url-list", required=True, help="LAION-format url list (.parquet, .csv or .jsonl)")
+    add_output(parser, "the clean shards, manifest.parquet and stats.json")
+    parser.add_argument("--eval-images", help="folder of downstream evaluation images to decontaminate against")
+    add_preset(parser)
+    add_config_flags(parser, INGEST_FLAGS)
+    parser.add_argument("--condition", action="append",
+                        help="row filter such as \"similarity >= 0.28\" (repeatable)")
+
+
+def ingest_config(args: argparse.Namespace) -> Any:
+    """The preset with the flags the user gave, ``--condition`` included."""
+    from vip_core.config import with_overrides
+
+    config = config_from(args, INGEST_FLAGS)
+    return with_overrides(config, {"data.ingest.conditions": args.condition}) if args.condition else config
+
+
+def handle_ingest(args: argparse.Namespace) -> int:
+    from tasks.cli import print_json
+    from tasks.stages.ingest import IngestError, run_ingest
+
+    try:
+        stats = run_ingest(ingest_config(args), args.url_list, args.output, eval_images=args.eval_images)
+    except IngestError as error:
+        print(f"vip ingest: error: {error}", file=sys.stderr)
+        return 1
+    print_json(stats)
+    return 0

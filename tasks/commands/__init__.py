@@ -1,1 +1,0 @@
-"""Subcommands of ``vip``. Each module defines ``register(subparsers)``; heavy imports stay inside handlers."""

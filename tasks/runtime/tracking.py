@@ -1,0 +1,276 @@
+"""MLflow tracking for pipeline runs: one parent run per flow run, a child run per stage and per job.
+
+Runs are created and closed through :class:`mlflow.MlflowClient` by run id, never through the active-run
+stack, so a child run can be written from another thread or process (a Ray worker logs ``privacy/epsilon``
+into the run id it is given). A child run is linked to its parent with the ``mlflow.parentRunId`` tag, the
+same link ``mlflow.start_run(parent_run_id=...)`` writes (``nested=True`` only works inside one process).
+
+Names of metrics are namespaced: ``train/loss``, ``privacy/epsilon``, ``eval/<task>/<metric>``,
+``ingest/<count>``. Params are the flattened :class:`~vip_core.config.VipConfig` (``privacy.max_grad_norm``);
+params are immutable, so everything that changes during a run (ε included) is a metric.
+
+The tracking URI comes from ``MLFLOW_TRACKING_URI`` (by default the sqlite store in ``$VIP_HOME/mlflow``,
+set by :func:`tasks.runtime.environment.configure_environment`); a team points it at its MLflow server instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from numbers import Real
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+from mlflow import MlflowClient, get_tracking_uri
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.exceptions import MlflowException
+
+from vip_core.config import VipConfig, flatten
+from tasks.runtime.environment import state_paths
+
+EXPERIMENT = "vip"
+ENCODER_MODEL_NAME = "vip-encoder"
+FLOW_RUN_TAG = "prefect.flow_run_id"
+PARENT_TAG = "mlflow.parentRunId"
+STAGE_TAG = "vip.stage"
+PARAMS_PER_BATCH = 100
+# The UI shows a model-training experiment (runs, metric charts) rather than a GenAI one (traces).
+EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}
+DEFAULT_UI_URL = "http://127.0.0.1:5000"
+LOCAL_SCHEMES = ("sqlite", "file", "postgresql", "mysql", "mssql")
+
+
+def client() -> MlflowClient:
+    """A client on the current tracking URI (``MLFLOW_TRACKING_URI``); the registry uses the same store."""
+    return MlflowClient()
+
+
+def experiment_id(name: str = EXPERIMENT) -> str:
+    """The id of experiment ``name``, created on first use.
+
+    With a database store and no server in between, artifacts go to ``$VIP_HOME/mlflow/artifacts`` (the
+    folder ``make ui`` serves); through a tracking server the server chooses.
+    """
+    mlflow_client = client()
+    experiment = mlflow_client.get_experiment_by_name(name)
+    if experiment is not None:
+        return experiment.experiment_id
+    location = None
+    if _tracking_scheme() in LOCAL_SCHEMES:
+        location = state_paths()["mlflow_artifacts"].as_uri()
+    try:
+        return mlflow_client.create_experiment(name, artifact_location=location, tags=EXPERIMENT_TAGS)
+    except MlflowException:
+        # Another process created it in between.
+        return mlflow_client.get_experiment_by_name(name).experiment_id
+
+
+def start_run(
+    name: str,
+    *,
+    config: VipConfig | None = None,
+    parent_run_id: str | None = None,
+    tags: Mapping[str, str] | None = None,
+    experiment: str = EXPERIMENT,
+) -> str:
+    """Creates a run and returns its id; the caller closes it with :func:`end_run`.
+
+    Args:
+        name: the run name shown in the UI.
+        config: logged as flattened params and as the artifact ``config.json``.
+        parent_run_id: makes this a child run of that run.
+        tags: extra tags (the Prefect flow-run id, the stage name).
+        experiment: the experiment's name.
+    """
+    all_tags = dict(tags or {})
+    if parent_run_id:
+        all_tags[PARENT_TAG] = parent_run_id
+    run = client().create_run(experiment_id(experiment), run_name=name, tags=all_tags)
+    if config is not None:
+        log_config(run.info.run_id, config)
+    return run.info.run_id
+
+
+def end_run(run_id: str, status: str = "FINISHED") -> None:
+    """Marks the run FINISHED, FAILED or KILLED."""
+    client().set_terminated(run_id, status=status)
+
+
+@contextlib.contextmanager
+def run(
+    name: str,
+    *,
+    config: VipConfig | None = None,
+    parent_run_id: str | None = None,
+    tags: Mapping[str, str] | None = None,
+) -> Iterator[str]:
+    """A run open for the ``with`` block: FINISHED after it, FAILED (and the error re-raised) on an error."""
+    with _ended_after(start_run(name, config=config, parent_run_id=parent_run_id, tags=tags)) as run_id:
+        yield run_id
+
+
+@contextlib.contextmanager
+def stage_run(parent_run_id: str | None, stage: str, config: VipConfig, name: str | None = None) -> Iterator[str]:
+    """The child run of one stage under ``parent_run_id``, open for the ``with`` block.
+
+    A retried stage continues the run its failed attempt left (so ε and the loss form one history) instead
+    of starting a new one; the run ends FINISHED, or FAILED when the block raises.
+
+    Args:
+        parent_run_id: the flow run's MLflow run; None makes a top-level run.
+        stage: the stage's name, the tag ``vip.stage`` (``pretrain-dp``, ``eval/linprobe``).
+        config: logged as params on a new run.
+        name: the run name; default ``stage``.
+    """
+    run_id = _unfinished_stage_run(parent_run_id, stage)
+    if run_id is None:
+        run_id = start_run(name or stage, config=config, parent_run_id=parent_run_id, tags={STAGE_TAG: stage})
+    else:
+        client().update_run(run_id, status="RUNNING")
+    with _ended_after(run_id):
+        yield run_id
+
+
+@contextlib.contextmanager
+def optional_stage_run(parent_run_id: str | None, stage: str, config: VipConfig) -> Iterator[str | None]:
+    """:func:`stage_run` under ``parent_run_id``, or None without a parent (the stage then opens its own run)."""
+    if parent_run_id is None:
+        yield None
+        return
+    with stage_run(parent_run_id, stage, config) as run_id:
+        yield run_id
+
+
+@contextlib.contextmanager
+def _ended_after(run_id: str) -> Iterator[str]:
+    """Yields ``run_id``, then ends the run FINISHED, or FAILED (re-raising) when the block raises."""
+    try:
+        yield run_id
+    except BaseException:
+        end_run(run_id, "FAILED")
+        raise
+    end_run(run_id, "FINISHED")
+
+
+def _unfinished_stage_run(parent_run_id: str | None, stage: str) -> str | None:
+    if parent_run_id is None:
+        return None
+    for child in child_runs(parent_run_id):
+        if child.data.tags.get(STAGE_TAG) == stage and child.info.status != "FINISHED":
+            return child.info.run_id
+    return None
+
+
+def log_config(run_id: str, config: VipConfig) -> None:
+    """The flattened config as params (batches of 100, MLflow's limit) and ``config.json`` as an artifact."""
+    params = [Param(key, value) for key, value in flatten(config).items()]
+    mlflow_client = client()
+    for start in range(0, len(params), PARAMS_PER_BATCH):
+        mlflow_client.log_batch(run_id, params=params[start:start + PARAMS_PER_BATCH])
+    mlflow_client.log_dict(run_id, config.model_dump(mode="json"), "config.json")
+
+
+def log_metrics(run_id: str, metrics: Mapping[str, float], step: int = 0) -> None:
+    """Logs finite numeric metrics at ``step`` in one batch."""
+    timestamp = _now_ms()
+    entries = [
+        Metric(key, float(value), timestamp, step)
+        for key, value in metrics.items()
+        if _is_number(value) and math.isfinite(float(value))
+    ]
+    if entries:
+        client().log_batch(run_id, metrics=entries)
+
+
+def numeric_leaves(result: Mapping[str, Any], namespace: str) -> dict[str, float]:
+    """The numbers inside a (nested) result dict, keyed ``namespace/a/b``; booleans and strings are left out."""
+    flat: dict[str, float] = {}
+    for key, value in result.items():
+        name = f"{namespace}/{key}"
+        if isinstance(value, Mapping):
+            flat.update(numeric_leaves(value, name))
+        elif _is_number(value):
+            flat[name] = float(value)
+    return flat
+
+
+def log_result(run_id: str, namespace: str, result: Mapping[str, Any], step: int = 0) -> None:
+    """A stage's result: its numbers as metrics under ``namespace/``, the whole dict as ``<namespace>.json``."""
+    log_metrics(run_id, numeric_leaves(result, namespace), step=step)
+    client().log_dict(run_id, json.loads(json.dumps(result, default=str)), f"{namespace.replace('/', '-')}.json")
+
+
+def log_artifact(run_id: str, path: str | Path, artifact_path: str | None = None) -> None:
+    """A file, or a folder's files, into the run's artifacts."""
+    path = Path(path)
+    if path.is_dir():
+        client().log_artifacts(run_id, str(path), artifact_path)
+    else:
+        client().log_artifact(run_id, str(path), artifact_path)
+
+
+def set_tags(run_id: str, tags: Mapping[str, str]) -> None:
+    client().log_batch(run_id, tags=[RunTag(key, str(value)) for key, value in tags.items()])
+
+
+def register_encoder(run_id: str, checkpoint: str | Path, name: str = ENCODER_MODEL_NAME) -> str:
+    """Logs the final checkpoint under ``encoder/`` of the run and registers it as a version of ``name``.
+
+    The version's files load with ``vip_core.models.checkpoint.load_encoder(folder)`` after
+    ``mlflow.artifacts.download_artifacts("models:/<name>/<version>")``.
+
+    Returns:
+        The new version number.
+    """
+    checkpoint = Path(checkpoint)
+    checkpoint_file = checkpoint / "checkpoint.pt" if checkpoint.is_dir() else checkpoint
+    if not checkpoint_file.is_file():
+        raise FileNotFoundError(f"checkpoint: no such file {checkpoint_file}")
+    mlflow_client = client()
+    mlflow_client.log_artifact(run_id, str(checkpoint_file), "encoder")
+    with contextlib.suppress(MlflowException):
+        mlflow_client.create_registered_model(
+            name, description="ViP encoders: MAE ViT checkpoints pre-trained with DP-AdamW (checkpoint.pt)."
+        )
+    version = mlflow_client.create_model_version(
+        name, source=f"runs:/{run_id}/encoder", run_id=run_id,
+        description=f"checkpoint {checkpoint_file.name} of run {run_id}",
+    )
+    return str(version.version)
+
+
+def ui_base_url() -> str:
+    """Where the MLflow UI is: the tracking server when there is one, else ``make ui``'s 127.0.0.1:5000."""
+    uri = get_tracking_uri()
+    return uri.rstrip("/") if uri.startswith(("http://", "https://")) else DEFAULT_UI_URL
+
+
+def run_ui_url(run_id: str, base_url: str | None = None, tab: str = "") -> str:
+    """The run's page in the MLflow UI, in its model-training view; ``tab="model-metrics"``: the charts."""
+    info = client().get_run(run_id).info
+    path = f"/#/experiments/{info.experiment_id}/runs/{run_id}" + (f"/{tab}" if tab else "")
+    return f"{base_url or ui_base_url()}{path}?workflowType=machine_learning"
+
+
+def child_runs(parent_run_id: str) -> list:
+    """The runs whose ``mlflow.parentRunId`` is ``parent_run_id``, oldest first."""
+    parent = client().get_run(parent_run_id)
+    return client().search_runs(
+        [parent.info.experiment_id],
+        filter_string=f"tags.`{PARENT_TAG}` = '{parent_run_id}'",
+        order_by=["attributes.start_time ASC"],
+    )
+
+
+def _tracking_scheme() -> str:
+    return get_tracking_uri().split(":", 1)[0].split("+", 1)[0]
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool)
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)

@@ -1,0 +1,149 @@
+"""The evaluation task: one downstream job on a pre-trained encoder and, in the same run, on a randomly
+initialised encoder of the same size (the baseline beside the result).
+
+``run_evaluation`` writes ``metrics.json`` in ``output``: the job's metrics for the checkpoint's encoder
+(``result``) and for the random-init encoder (``baseline``), side by side. With an MLflow run id it logs a
+child run of that run (tag ``mlflow.parentRunId``) with ``eval/<task>/<metric>`` for the result and
+``eval/<task>/<metric>_random_init`` for the baseline, and ``metrics.json`` as an artifact. Running it
+again with the same task, settings, checkpoint and data reuses the stored metrics instead of recomputing
+(and still logs them to MLflow when a parent run is given).
+
+Evaluation data is public: the privacy guarantee of pre-training covers the pre-training data only.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from tasks.runtime.environment import state_paths
+from tasks.runtime.folders import StageFolder, fingerprint
+from vip_core.config import ModelConfig, VipConfig, validate_config
+
+logger = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.json"
+BASELINE = "random-init encoder of the same size, same data, same settings, same run"
+DATA_NOTE = "evaluation data is public: the pre-training privacy guarantee does not cover it"
+
+
+def run_evaluation(config: VipConfig, task: str, checkpoint: str | None, data: str, output: str,
+                   mlflow_run_id: str | None = None) -> dict[str, Any]:
+    """Runs ``task`` on the encoder of ``checkpoint`` and on a random-init baseline; returns the metrics.
+
+    Args:
+        config: ``config.evaluation`` drives the job; ``config.model`` sizes the encoder when the
+            checkpoint holds no config (a released MAE/ViP ``.pth``).
+        task: ``linprobe``, ``finetune``, ``fewshot``, ``coco`` or ``ade20k``.
+        checkpoint: a checkpoint file or run folder; None evaluates only a random-init encoder.
+        data: the task's dataset folder (ImageFolder, COCO or ADE20K layout).
+        output: the folder for ``metrics.json``.
+        mlflow_run_id: the parent MLflow run; a child run is logged under it. None: no MLflow.
+
+    Returns:
+        ``{"task", "checkpoint", "data", "result": {...}, "baseline": {...} | None, ...}``.
+
+    Raises:
+        FileNotFoundError: a missing checkpoint or dataset path.
+        ValueError: an unknown task, malformed data or a bad setting (one line naming it).
+    """
+    model_config = _model_config(config, checkpoint)
+    folder = StageFolder(output, f"eval/{task}", _fingerprint(config, model_config, task, checkpoint, data),
+                         result_name=METRICS_FILE)
+    metrics = folder.stored_result()
+    if metrics is None:
+        metrics = folder.store_result(_evaluate(config, model_config, task, checkpoint, data, folder))
+    else:
+        logger.info("%s: metrics for these inputs already in %s", task, folder.result_file)
+    if mlflow_run_id:
+        log_child_run(mlflow_run_id, config, task, metrics, folder.result_file)
+    return metrics
+
+
+def _evaluate(config: VipConfig, model_config: ModelConfig, task: str, checkpoint: str | None, data: str,
+              folder: StageFolder) -> dict[str, Any]:
+    """The job on each encoder, timed; the data is checked before the folder is claimed or an encoder built."""
+    from vip_core.eval.features import default_device
+    from vip_core.eval.jobs import prepare_job
+
+    device = default_device()
+    encoders = _encoders(config, model_config, checkpoint)
+    job = prepare_job(task, data, config.evaluation, model_config, device, runs=list(encoders),
+                      ledgers=state_paths()["ledgers"])
+    folder.claim()
+    metrics: dict[str, Any] = {"task": task, "checkpoint": None if checkpoint is None else str(checkpoint),
+                               "data": str(data), "device": str(device)}
+    seconds = {}
+    for role, make_encoder in encoders.items():
+        started = time.monotonic()
+        metrics[role] = job(make_encoder())
+        seconds[role] = round(time.monotonic() - started, 2)
+        logger.info("%s on the %s encoder: %s", task, role, metrics[role])
+    metrics.setdefault("baseline", None)
+    metrics.update(baseline_encoder=BASELINE, seconds=seconds, note=DATA_NOTE)
+    if getattr(job, "privacy", None) is not None:  # DP fine-tuning: the runs charged to the set's ledger
+        metrics["privacy"] = job.privacy
+    return metrics
+
+
+def _model_config(config: VipConfig, checkpoint: str | None) -> ModelConfig:
+    """The checkpoint's own model config when it has one, else ``config.model``."""
+    if checkpoint is None:
+        return config.model
+    from vip_core.models import load_checkpoint
+
+    payload = load_checkpoint(checkpoint)
+    if "config" not in payload:
+        return config.model
+    stored = validate_config(payload["config"]).model
+    if stored != config.model:
+        logger.warning("the checkpoint's model config differs from the preset's; using the checkpoint's")
+    return stored
+
+
+def _encoders(config: VipConfig, model_config: ModelConfig, checkpoint: str | None) -> dict[str, Callable[[], nn.Module]]:
+    """``result`` (the checkpoint's encoder, or a random-init one without a checkpoint) and ``baseline``."""
+    from vip_core.models import build_encoder, load_encoder
+
+    def random_init() -> nn.Module:
+        torch.manual_seed(config.evaluation.seed + 1)
+        return build_encoder(model_config)
+
+    if checkpoint is None:
+        return {"result": random_init}
+    return {"result": lambda: load_encoder(checkpoint, model_config), "baseline": random_init}
+
+
+def _fingerprint(config: VipConfig, model_config: ModelConfig, task: str, checkpoint: str | None,
+                 data: str) -> dict[str, Any]:
+    """What decides a job's metrics: the task, its settings, the encoder and the data's path."""
+    from vip_core.models.checkpoint import checkpoint_file
+
+    return {"task": task, "evaluation": config.evaluation.model_dump(mode="json", exclude={"tasks"}),
+            "model": model_config.model_dump(mode="json"),
+            "checkpoint": None if checkpoint is None else fingerprint(checkpoint_file(checkpoint)),
+            "data": str(Path(data).resolve())}
+
+
+def mlflow_metrics(task: str, metrics: dict[str, Any]) -> dict[str, float]:
+    """``eval/<task>/<metric>`` for the result, ``eval/<task>/<metric>_random_init`` for the baseline."""
+    flat = {f"eval/{task}/{name}": value for name, value in metrics["result"].items()}
+    for name, value in (metrics.get("baseline") or {}).items():
+        flat[f"eval/{task}/{name}_random_init"] = value
+    return flat
+
+
+def log_child_run(parent_run_id: str, config: VipConfig, task: str, metrics: dict[str, Any], metrics_file: Path) -> str:
+    """A child run of ``parent_run_id``: the config as params, the metrics, ``metrics.json``; returns its id."""
+    from tasks.runtime import tracking
+
+    tags = {tracking.STAGE_TAG: f"eval/{task}", "vip.checkpoint": str(metrics["checkpoint"])}
+    with tracking.run(f"eval-{task}", config=config, parent_run_id=parent_run_id, tags=tags) as run_id:
+        tracking.log_metrics(run_id, mlflow_metrics(task, metrics))
+        tracking.log_artifact(run_id, metrics_file)
+    return run_id

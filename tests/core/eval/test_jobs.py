@@ -1,0 +1,91 @@
+"""The evaluation jobs on small real data: scikit-learn's digits (upsampled) and generated COCO/ADE20K sets,
+with the tiny preset's randomly initialised encoder."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tasks.fixtures.eval_sets import make_ade20k_shapes, make_coco_shapes, make_digits_imagefolder
+from vip_core.config import FinetunePrivacyConfig, tiny
+from vip_core.eval.jobs import prepare_job
+from vip_core.models import build_encoder
+from vip_core.privacy.accounting import compute_epsilon
+
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory):
+    root = tmp_path_factory.mktemp("digits")
+    make_digits_imagefolder(root, img_size=32, per_class=30)
+    return root
+
+
+def random_encoder(seed: int = 0):
+    torch.manual_seed(seed)
+    return build_encoder(tiny().model)
+
+
+def test_linear_probe_on_random_features_beats_chance_clearly(digits):
+    config = tiny()
+    metrics = prepare_job("linprobe", digits, config.evaluation, config.model, CPU)(random_encoder())
+    assert metrics["chance_top1"] == pytest.approx(0.1)
+    assert metrics["top1"] >= 0.2, metrics
+    assert metrics["top1"] <= metrics["top5"] <= 1.0
+
+
+def test_dp_finetune_reports_the_privacy_spent_within_the_target(digits):
+    config = tiny()
+    private = FinetunePrivacyConfig(enabled=True, target_epsilon=8.0, batch_size=32, physical_batch_size=16, steps=3,
+                                    noise_multiplier=1.0)
+    evaluation = config.evaluation.model_copy(update={"finetune_privacy": private})
+    encoder = random_encoder()
+    before = encoder.blocks[0].mlp.fc1.weight.detach().clone()
+    metrics = prepare_job("finetune", digits, evaluation, config.model, CPU)(encoder)
+    expected = compute_epsilon(noise_multiplier=1.0, sample_rate=32 / 240, steps=3, delta=1 / 480, accountant="prv")
+    assert metrics["dp_epsilon"] == pytest.approx(expected, rel=0.05) and 0 < expected <= 8.0
+    assert metrics["dp_delta"] == pytest.approx(1 / (2 * 240))
+    assert metrics["dp_sample_rate"] == pytest.approx(32 / 240)
+    assert metrics["dp_noise_multiplier"] > 0
+    assert not torch.equal(before, encoder.blocks[0].mlp.fc1.weight), "DP steps updated the encoder"
+    assert 0.0 <= metrics["top1"] <= metrics["top5"] <= 1.0
+
+
+@pytest.mark.parametrize("private, problem", [
+    (FinetunePrivacyConfig(enabled=True, batch_size=10_000),
+     r"evaluation\.finetune_privacy\.batch_size: 10000 is larger than the data set \(240 examples\)"),
+    (FinetunePrivacyConfig(enabled=True, batch_size=32, noise_multiplier=0.1, steps=50),
+     r"evaluation\.finetune_privacy\.noise_multiplier: .* above evaluation\.finetune_privacy\.target_epsilon 8\.0"),
+])
+def test_dp_finetune_settings_that_cannot_hold_fail_before_training(digits, private, problem):
+    config = tiny()
+    evaluation = config.evaluation.model_copy(update={"finetune_privacy": private})
+    with pytest.raises(ValueError, match=problem):
+        prepare_job("finetune", digits, evaluation, config.model, CPU)
+
+
+def test_detection_without_masks_uses_boxes_only(tmp_path):
+    make_coco_shapes(tmp_path, img_size=32, n=8)
+    for path in (tmp_path / "annotations").glob("*.json"):
+        data = json.loads(path.read_text())
+        for ann in data["annotations"]:
+            ann.pop("segmentation")
+        path.write_text(json.dumps(data))
+    config = tiny()
+    metrics = prepare_job("coco", tmp_path, config.evaluation, config.model, CPU)(random_encoder())
+    assert "ap_mask" not in metrics
+    assert 0.0 <= metrics["ap_box"] <= 1.0 and 0.0 <= metrics["ap50_box"] <= 1.0
+
+
+def test_unknown_task_and_bad_pyramid_size_are_one_line_errors(tmp_path):
+    config = tiny()
+    with pytest.raises(ValueError, match="unknown task 'depth'"):
+        prepare_job("depth", tmp_path, config.evaluation, config.model, CPU)
+    make_ade20k_shapes(tmp_path, img_size=16, n=4)
+    evaluation = config.evaluation.model_copy(update={"segmentation_img_size": 36})
+    with pytest.raises(ValueError, match="segmentation_img_size: 36 is not a multiple of 2 x patch_size"):
+        prepare_job("ade20k", tmp_path, evaluation, config.model, CPU)

@@ -1,0 +1,67 @@
+"""run_evaluation: every job end to end on the tiny preset with a saved checkpoint, metrics.json with
+the result and the random-init baseline, the stored result reused, and the MLflow child run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tasks.stages.eval import METRICS_FILE, run_evaluation
+
+
+def _in_unit_interval(metrics: dict, names: tuple[str, ...]) -> bool:
+    return all(0.0 <= metrics[name] <= 1.0 for name in names)
+
+
+def test_every_job_writes_metrics_json_with_result_and_random_init_baseline(workspace, evaluations):
+    root, _, checkpoint = workspace
+    for task, metrics in evaluations.items():
+        stored = json.loads((root / "out" / task / METRICS_FILE).read_text())
+        assert stored == metrics
+        assert stored["task"] == task and stored["checkpoint"] == str(checkpoint)
+        assert stored["result"] and stored["baseline"], task
+        assert set(stored["result"]) == set(stored["baseline"]), task
+
+
+def test_linear_probe_and_few_shot_beat_chance_for_both_encoders(evaluations):
+    for role in ("result", "baseline"):
+        probe = evaluations["linprobe"][role]
+        assert probe["top1"] >= 2 * probe["chance_top1"], (role, probe)
+        shots = evaluations["fewshot"][role]
+        assert shots["10shot_top1"] > shots["1shot_top1"] and shots["10shot_top1"] >= 0.2, (role, shots)
+
+
+def test_finetune_detection_and_segmentation_report_numbers_in_range(evaluations):
+    for role in ("result", "baseline"):
+        assert _in_unit_interval(evaluations["finetune"][role], ("top1", "top5"))
+        assert _in_unit_interval(evaluations["coco"][role], ("ap_box", "ap50_box", "ap_mask", "ap50_mask"))
+        segmentation = evaluations["ade20k"][role]
+        assert _in_unit_interval(segmentation, ("miou", "pixel_accuracy")) and segmentation["num_classes"] == 4
+
+
+def test_running_again_with_the_same_inputs_returns_the_stored_metrics(workspace, evaluations):
+    root, config, checkpoint = workspace
+    output = root / "out" / "linprobe"
+    before = (output / METRICS_FILE).stat().st_mtime_ns
+    again = run_evaluation(config, "linprobe", str(checkpoint), str(root / "digits"), str(output))
+    assert again == evaluations["linprobe"] and (output / METRICS_FILE).stat().st_mtime_ns == before
+    with pytest.raises(ValueError, match="choose another output folder"):
+        run_evaluation(config, "fewshot", str(checkpoint), str(root / "digits"), str(output))
+
+
+def test_child_run_under_the_parent_holds_result_and_baseline_metrics(workspace, evaluations):
+    from tasks.runtime import tracking
+
+    root, config, checkpoint = workspace
+    parent = tracking.start_run("pipeline-under-test")
+    metrics = run_evaluation(config, "ade20k", str(checkpoint), str(root / "ade20k"), str(root / "out" / "ade20k"),
+                             mlflow_run_id=parent)
+    assert metrics == evaluations["ade20k"], "stored metrics are reused and still logged"
+    (child,) = tracking.child_runs(parent)
+    assert child.data.tags["mlflow.parentRunId"] == parent and child.info.status == "FINISHED"
+    logged = child.data.metrics
+    assert logged["eval/ade20k/miou"] == pytest.approx(metrics["result"]["miou"])
+    assert logged["eval/ade20k/miou_random_init"] == pytest.approx(metrics["baseline"]["miou"])
+    artifacts = [entry.path for entry in tracking.client().list_artifacts(child.info.run_id)]
+    assert METRICS_FILE in artifacts

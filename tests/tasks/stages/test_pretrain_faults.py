@@ -1,0 +1,119 @@
+"""Fault tolerance of DP pre-training: a worker process killed mid-run is replaced, training resumes from
+the last checkpoint and ends with the same step count and the same ε as an uninterrupted run (the ledger
+is carried on, not restarted). A resumed run must keep its privacy plan."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from vip_core.config import get_preset, with_overrides
+from vip_core.data.shards import ShardWriter, encode_image
+from vip_core.models.checkpoint import load_checkpoint
+
+STEPS = 6
+KILLED_RANK, KILLED_AFTER = 1, 3  # the last checkpoint before the kill is step 2
+
+
+def _config(**extra):
+    return with_overrides(get_preset("tiny"), {
+        "private.num_workers": 2, "private.cpus_per_worker": 0.5, "private.steps": STEPS, "private.batch_size": 16,
+        "private.physical_batch_size": 16, "private.checkpoint_every": 2, **extra,
+    })
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("shards")
+    with ShardWriter(folder, prefix="img", samples_per_shard=32) as writer:
+        for i in range(64):
+            pixels = np.random.default_rng(i).integers(0, 255, size=(32, 32, 3), dtype=np.uint8)
+            writer.write(f"{i:05d}", {"png": encode_image(Image.fromarray(pixels), "png")})
+    return folder
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    from tasks.runtime.ray_session import ray_session
+
+    with ray_session(num_workers=2, cpus_per_worker=0.5) as info:
+        yield info
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(local_ray, shards, tmp_path_factory):
+    from tasks.stages.pretrain import run_pretrain
+
+    output = tmp_path_factory.mktemp("whole") / "out"
+    with pytest.MonkeyPatch.context() as patch:  # a ledger of its own: the killed run is the same run again
+        patch.setenv("VIP_LEDGER_DIR", str(tmp_path_factory.mktemp("ledgers")))
+        return output, run_pretrain(_config(), "private", shards, output)
+
+
+@pytest.fixture(scope="module")
+def killed(local_ray, shards, tmp_path_factory):
+    from tasks.stages.pretrain import FAULT_ENV, run_pretrain
+
+    output = tmp_path_factory.mktemp("killed") / "out"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(FAULT_ENV, f"{KILLED_RANK}:{KILLED_AFTER}")
+        return output, run_pretrain(_config(), "private", shards, output)
+
+
+def test_killed_worker_is_replaced_and_training_resumes_from_the_last_checkpoint(killed):
+    output, result = killed
+    assert (output / "ray" / "fault-injected").read_text().startswith(f"rank {KILLED_RANK} killed after step 3")
+    assert result["resumes"] == 1
+    assert result["steps"] == STEPS
+    assert load_checkpoint(result["checkpoint"])["ledger"]["steps"] == STEPS
+
+
+def test_final_steps_and_epsilon_equal_an_uninterrupted_run(killed, uninterrupted):
+    _, interrupted = killed
+    _, whole = uninterrupted
+    assert whole["resumes"] == 0
+    assert interrupted["steps"] == whole["steps"] == STEPS
+    assert math.isclose(interrupted["epsilon"], whole["epsilon"], rel_tol=1e-12)
+    # A ledger restarted at the resume would have counted only the steps after it.
+    assert interrupted["epsilon"] > whole["epsilon"] * 0.9
+
+
+def test_epsilon_history_continues_across_the_restart(killed):
+    from tasks.runtime.tracking import client
+
+    _, result = killed
+    history = client().get_metric_history(result["mlflow_run_id"], "privacy/epsilon")
+    by_step: dict[int, set[float]] = {}
+    for metric in history:
+        by_step.setdefault(metric.step, set()).add(metric.value)
+    assert sorted(by_step) == list(range(1, STEPS + 1))
+    # Step 3 ran twice (before the kill and after the resume from step 2) and spent the same ε both times.
+    assert all(len(values) == 1 for values in by_step.values())
+
+
+def test_resuming_with_other_privacy_settings_is_refused(uninterrupted, shards):
+    from tasks.stages.pretrain import run_pretrain
+
+    output, _ = uninterrupted
+    with pytest.raises(ValueError, match="resume refused: the run was planned with batch_size"):
+        run_pretrain(_config(**{"private.batch_size": 32}), "private", shards, output, resume=True)
+
+
+@pytest.mark.slow
+def test_resume_continues_a_run_for_more_steps(local_ray, shards, tmp_path):
+    from tasks.stages.pretrain import run_pretrain
+
+    def synthetic(steps: int):
+        return with_overrides(get_preset("tiny"), {
+            "synthetic.num_workers": 2, "synthetic.cpus_per_worker": 0.5, "synthetic.steps": steps,
+            "synthetic.batch_size": 16, "synthetic.physical_batch_size": 16, "synthetic.checkpoint_every": 2,
+        })
+
+    first = run_pretrain(synthetic(2), "synthetic", shards, tmp_path / "out")
+    with pytest.raises(ValueError, match="pass --resume"):
+        run_pretrain(synthetic(4), "synthetic", shards, tmp_path / "out")
+    more = run_pretrain(synthetic(4), "synthetic", shards, tmp_path / "out", resume=True)
+    assert (first["steps"], more["steps"], more["resumes"]) == (2, 4, 1)
