@@ -38,14 +38,14 @@ def test_linear_probe_on_random_features_beats_chance_clearly(digits):
     assert metrics["top1"] <= metrics["top5"] <= 1.0
 
 
-def test_dp_finetune_reports_the_privacy_spent_within_the_target(digits):
+def test_dp_finetune_reports_the_privacy_spent_within_the_target(digits, tmp_path):
     config = tiny()
     private = FinetunePrivacyConfig(enabled=True, target_epsilon=8.0, batch_size=32, physical_batch_size=16, steps=3,
                                     noise_multiplier=1.0)
     evaluation = config.evaluation.model_copy(update={"finetune_privacy": private})
     encoder = random_encoder()
     before = encoder.blocks[0].mlp.fc1.weight.detach().clone()
-    metrics = prepare_job("finetune", digits, evaluation, config.model, CPU)(encoder)
+    metrics = prepare_job("finetune", digits, evaluation, config.model, CPU, ledgers=tmp_path)(encoder)
     expected = compute_epsilon(noise_multiplier=1.0, sample_rate=32 / 240, steps=3, delta=1 / 480, accountant="prv")
     assert metrics["dp_epsilon"] == pytest.approx(expected, rel=0.05) and 0 < expected <= 8.0
     assert metrics["dp_delta"] == pytest.approx(1 / (2 * 240))
@@ -61,11 +61,11 @@ def test_dp_finetune_reports_the_privacy_spent_within_the_target(digits):
     (FinetunePrivacyConfig(enabled=True, batch_size=32, noise_multiplier=0.1, steps=50),
      r"evaluation\.finetune_privacy\.noise_multiplier: .* above evaluation\.finetune_privacy\.target_epsilon 8\.0"),
 ])
-def test_dp_finetune_settings_that_cannot_hold_fail_before_training(digits, private, problem):
+def test_dp_finetune_settings_that_cannot_hold_fail_before_training(digits, private, problem, tmp_path):
     config = tiny()
     evaluation = config.evaluation.model_copy(update={"finetune_privacy": private})
     with pytest.raises(ValueError, match=problem):
-        prepare_job("finetune", digits, evaluation, config.model, CPU)
+        prepare_job("finetune", digits, evaluation, config.model, CPU, ledgers=tmp_path)
 
 
 def test_detection_without_masks_uses_boxes_only(tmp_path):

@@ -526,15 +526,14 @@ def test_rule_8_dp_fine_tuning_noise_and_sample_are_not_a_function_of_the_public
         "evaluation.finetune_privacy.target_epsilon": 1e6, "evaluation.finetune_privacy.batch_size": 8,
         "evaluation.finetune_privacy.physical_batch_size": 8, "evaluation.finetune_privacy.steps": 2,
         "evaluation.finetune_privacy.accountant": "rdp"}).evaluation.finetune_privacy
-    book = LedgerBook.for_data_set("images", home=tmp_path)
-    plan = plan_dp_finetune(private, images, ["a", "b"], book=book)
+    plan = plan_dp_finetune(private, images, ["a", "b"], tmp_path)
     updates = []
     for index, run in enumerate(("a", "b")):
         torch.manual_seed(123)
         classifier = EncoderClassifier(build_encoder(get_preset("tiny").model), 3)
         start = flat_parameters(classifier)
-        dp_finetune(classifier, images, settings, private, plan, torch.device("cpu"), run=run, earlier_runs=index,
-                    book=book)
+        dp_finetune(classifier, images, settings, private, plan, torch.device("cpu"), run=run, ledgers=tmp_path,
+                    earlier_runs=index)
         updates.append(flat_parameters(classifier) - start)
     assert not torch.equal(updates[0], updates[1]), "two DP fine-tuning runs with one config drew the same noise"
 
@@ -545,7 +544,7 @@ def test_rule_8_dp_fine_tuning_noise_and_sample_are_not_a_function_of_the_public
 def test_rule_9_a_second_run_on_a_private_set_is_composed_with_the_first(tmp_path):
     from vip_core.privacy.plan import plan_and_charge
 
-    book = LedgerBook.for_data_set("set", home=tmp_path)
+    book = LedgerBook.for_data_set("set", tmp_path)
     config = get_preset("tiny")
     planning = dict(dataset_size=1_000, batch_size=64, steps=10, fingerprint="set")
     first = plan_and_charge(book, runs=["first"], purpose="pretrain-dp",
@@ -561,11 +560,10 @@ def test_rule_9_a_second_run_on_a_private_set_is_composed_with_the_first(tmp_pat
     assert ledger.epsilon == pytest.approx(composed)  # the ε a run reports is the set's composed ε
 
 
-def test_rule_9_dp_fine_tuning_charges_both_encoders_and_reports_the_composed_epsilon(tmp_path, monkeypatch):
+def test_rule_9_dp_fine_tuning_charges_both_encoders_and_reports_the_composed_epsilon(tmp_path):
     from tasks.fixtures.eval_sets import make_digits_imagefolder
     from vip_core.eval.jobs import prepare_job
 
-    monkeypatch.setenv("VIP_LEDGER_DIR", str(tmp_path / "ledgers"))
     folder = tmp_path / "digits"
     make_digits_imagefolder(folder, img_size=32, per_class=10)
     evaluation = with_overrides(get_preset("tiny"), {
@@ -573,7 +571,8 @@ def test_rule_9_dp_fine_tuning_charges_both_encoders_and_reports_the_composed_ep
         "evaluation.finetune_privacy.physical_batch_size": 8, "evaluation.finetune_privacy.steps": 2,
         "evaluation.finetune_privacy.accountant": "rdp"}).evaluation
     model = get_preset("tiny").model
-    job = prepare_job("finetune", folder, evaluation, model, torch.device("cpu"), runs=["result", "baseline"])
+    job = prepare_job("finetune", folder, evaluation, model, torch.device("cpu"), runs=["result", "baseline"],
+                      ledgers=tmp_path / "ledgers")
     charges = list((tmp_path / "ledgers").glob("*.json"))
     assert len(charges) == 1  # both runs charged before either trains
     book = LedgerBook(charges[0], job.privacy["fingerprint"])
@@ -594,12 +593,12 @@ def test_rule_9_dp_fine_tuning_charges_both_encoders_and_reports_the_composed_ep
 
 
 def test_rule_9_training_on_the_private_set_without_privacy_spends_its_whole_budget(shards, tmp_path):
-    from tasks.stages.pretrain import stage_plan
+    from tasks.stages.pretrain import ledger_book, stage_plan
 
     data = measure_shards(shards)
     config = tiny_config(**{"privacy.noise_multiplier": None, "privacy.target_epsilon": 8.0})
     stage_plan(with_overrides(config, {"privacy.enabled": False}), "private", data, tmp_path / "plain", False)
-    book = LedgerBook.for_data_set(data.fingerprint)
+    book = ledger_book(data.fingerprint)
     assert book.epsilon(delta=1e-3, accountant="pld") == math.inf
     with pytest.raises(Exception, match=r"privacy\.target_epsilon: 8\.0 cannot be met.*pretrain-nonprivate"):
         stage_plan(config, "private", data, tmp_path / "dp", False)
@@ -652,7 +651,7 @@ ALLOWED = {
     "record_step": {"vip_core/train/step.py", "vip_core/privacy/ledger.py"},
     "ClippedGradientSum": {"vip_core/train/step.py", "vip_core/privacy/engine.py"},
     "calibrate_noise_multiplier": {"vip_core/privacy/plan.py", "vip_core/privacy/accounting.py",
-                                   "tasks/commands/privacy.py"},
+                                   "tasks/cli/privacy.py"},
 }
 
 

@@ -73,12 +73,12 @@ def test_bad_arguments_are_named():
 
 
 def test_the_book_keeps_one_charge_per_run_and_composes_them(tmp_path):
-    book = LedgerBook.for_data_set("abc123", home=tmp_path)
+    book = LedgerBook.for_data_set("abc123", tmp_path / "ledgers")
     with book.locked():
         book.charge(Charge("run-1", 1.0, 0.1, 10, "pretrain-dp"))
         book.charge(Charge("run-2", 2.0, 0.2, 5, "dp-finetune"))
         book.charge(Charge("run-1", 1.0, 0.1, 7, "pretrain-dp"))  # run-1 settled with the steps it took
-    reread = LedgerBook.for_data_set("abc123", home=tmp_path)
+    reread = LedgerBook.for_data_set("abc123", tmp_path / "ledgers")
     assert [c.run for c in reread.charges()] == ["run-1", "run-2"]
     assert reread.charges()[0].steps == 7
     assert [c.run for c in reread.charges(excluding="run-1")] == ["run-2"]

@@ -106,7 +106,7 @@ def test_several_runs_of_one_plan_are_calibrated_to_compose_within_the_target():
 
 
 def test_plan_and_charge_charges_the_planned_steps_of_every_run(tmp_path):
-    book = LedgerBook.for_data_set("data", home=tmp_path)
+    book = LedgerBook.for_data_set("data", tmp_path)
     config = get_preset("tiny")
     planning = dict(dataset_size=1_000, batch_size=64, steps=10, fingerprint="data")
     half = config.privacy.model_copy(update={"target_epsilon": 4.0})

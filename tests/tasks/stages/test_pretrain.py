@@ -140,10 +140,11 @@ def test_private_stage_spends_the_planned_epsilon_and_logs_it_every_step(private
 
 def test_a_private_run_is_charged_to_its_data_sets_ledger_and_composed_with_earlier_runs(local_ray, shards, tmp_path):
     from tasks.stages.pretrain import run_pretrain
-    from vip_core.privacy.ledger import Charge, LedgerBook
+    from tasks.stages.pretrain import ledger_book
+    from vip_core.privacy.ledger import Charge
     from vip_core.train.data import measure_shards
 
-    book = LedgerBook.for_data_set(measure_shards(shards).fingerprint)
+    book = ledger_book(measure_shards(shards).fingerprint)
     with book.locked():
         book.charge(Charge("an-earlier-run", 2.0, 0.25, 10, "dp-finetune"))
     config = with_overrides(_private_config(), {"private.steps": 2, "privacy.log_private_statistics": False})
