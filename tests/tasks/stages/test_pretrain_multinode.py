@@ -10,12 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import psutil
 import pytest
-from PIL import Image
 
-from vip_core.data.shards import ShardWriter, encode_image
 from vip_core.models.checkpoint import load_checkpoint
 
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -69,13 +66,8 @@ def two_node_cluster(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("mn-shards")
-    with ShardWriter(folder, prefix="syn", samples_per_shard=32) as writer:
-        for i in range(64):
-            pixels = np.random.default_rng(i).integers(0, 255, size=(32, 32, 3), dtype=np.uint8)
-            writer.write(f"{i:05d}", {"png": encode_image(Image.fromarray(pixels), "png")})
-    return folder
+def shards(noise_shards):
+    return noise_shards(64)
 
 
 # The pre-training runs in a driver process of its own, as a user's would: a process that already ran and
