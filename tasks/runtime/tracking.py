@@ -134,12 +134,13 @@ def stage_run(parent_run_id: str | None, stage: str, config: VipConfig, name: st
 
 
 @contextlib.contextmanager
-def optional_stage_run(parent_run_id: str | None, stage: str, config: VipConfig) -> Iterator[str | None]:
+def optional_stage_run(parent_run_id: str | None, stage: str, config: VipConfig,
+                       name: str | None = None) -> Iterator[str | None]:
     """:func:`stage_run` under ``parent_run_id``, or None without a parent (the stage then opens its own run)."""
     if parent_run_id is None:
         yield None
         return
-    with stage_run(parent_run_id, stage, config) as run_id:
+    with stage_run(parent_run_id, stage, config, name=name) as run_id:
         yield run_id
 
 
