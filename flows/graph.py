@@ -97,12 +97,12 @@ class StageGraph(contextlib.ExitStack):
         """
         checkpoint = checkpoint or self.pretrain_dp().result()["checkpoint"]
         tasks = list(self.config.evaluation.tasks)
-        folder = Path(eval_folder(self.config, self.workdir, checkpoint, self.eval_data))
-        self.folders["eval"] = str(folder)
+        for task in tasks:
+            self.folders[f"eval-{task}"] = eval_folder(self.config, self.workdir, task, checkpoint, self.eval_data)
         futures = evaluate.map(
             unmapped(self.config), tasks, unmapped(checkpoint),
             [str(Path(self.eval_data) / EVAL_DATA_FOLDERS[task]) for task in tasks],
-            [str(folder / task) for task in tasks], unmapped(self.parent_run_id),
+            [self.folders[f"eval-{task}"] for task in tasks], unmapped(self.parent_run_id),
         )
         return {task: future.result() for task, future in zip(tasks, futures)}
 

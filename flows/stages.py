@@ -18,7 +18,7 @@ from prefect import task
 from prefect.artifacts import create_link_artifact
 from prefect.runtime import flow_run, task_run
 
-from flows.caching import stage_cache_key
+from flows.caching import eval_stage, stage_cache_key
 from tasks.runtime.folders import digest, fingerprint
 from tasks.runtime import tracking
 from tasks.runtime.names import PRETRAIN_STAGES
@@ -96,7 +96,7 @@ def pretrain(
     return result
 
 
-@task(name="eval", task_run_name="eval-{task}", **_options("eval", retries=1, retry_delay_seconds=5))
+@task(name="eval", task_run_name="eval-{task}", **_options(eval_stage, retries=1, retry_delay_seconds=5))
 def evaluate(config: VipConfig, task: str, checkpoint: str, data: str, output: str, parent_run_id: str | None) -> dict:
     """One downstream job on the encoder of ``checkpoint``, beside the same job on a random-init encoder.
 

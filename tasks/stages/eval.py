@@ -18,12 +18,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
 from torch import nn
 
 from tasks.runtime.environment import state_paths
 from tasks.runtime.folders import StageFolder, fingerprint
-from vip_core.config import ModelConfig, VipConfig, validate_config
+from vip_core.config import EVAL_TASK_FIELDS, ModelConfig, VipConfig, validate_config
 
 logger = logging.getLogger(__name__)
 
@@ -111,23 +110,29 @@ def _model_config(config: VipConfig, checkpoint: str | None) -> ModelConfig:
 
 def _encoders(config: VipConfig, model_config: ModelConfig, checkpoint: str | None) -> dict[str, Callable[[], nn.Module]]:
     """``result`` (the checkpoint's encoder, or a random-init one without a checkpoint) and ``baseline``."""
+    from vip_core.eval.seeding import job_seed, seeded
     from vip_core.models import build_encoder, load_encoder
 
     def random_init() -> nn.Module:
-        torch.manual_seed(config.evaluation.seed + 1)
-        return build_encoder(model_config)
+        with seeded(job_seed(config.evaluation.seed, "random-init encoder")):  # the same for every job
+            return build_encoder(model_config)
+
+    def trained() -> nn.Module:
+        with seeded(job_seed(config.evaluation.seed, "checkpoint encoder")):  # built, then the weights loaded
+            return load_encoder(checkpoint, model_config)
 
     if checkpoint is None:
         return {"result": random_init}
-    return {"result": lambda: load_encoder(checkpoint, model_config), "baseline": random_init}
+    return {"result": trained, "baseline": random_init}
 
 
 def _fingerprint(config: VipConfig, model_config: ModelConfig, task: str, checkpoint: str | None,
                  data: str) -> dict[str, Any]:
-    """What decides a job's metrics: the task, its settings, the encoder and the data's path."""
+    """What decides a job's metrics: the task, the settings it reads, the encoder and the data's path."""
     from vip_core.models.checkpoint import checkpoint_file
 
-    return {"task": task, "evaluation": config.evaluation.model_dump(mode="json", exclude={"tasks"}),
+    fields = set(EVAL_TASK_FIELDS.get(task, ()))
+    return {"task": task, "evaluation": config.evaluation.model_dump(mode="json", include=fields),
             "model": model_config.model_dump(mode="json"),
             "checkpoint": None if checkpoint is None else fingerprint(checkpoint_file(checkpoint)),
             "data": str(Path(data).resolve())}

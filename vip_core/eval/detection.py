@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +20,6 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
 from torchvision.models.detection import FasterRCNN, MaskRCNN
 from torchvision.models.detection.anchor_utils import AnchorGenerator
 from torchvision.models.detection.faster_rcnn import FastRCNNPredictor, TwoMLPHead
@@ -31,6 +31,7 @@ from vip_core.eval.datasets import (
 )
 from vip_core.eval.fit import FitSettings, fit, layer_decay_adamw
 from vip_core.eval.pyramid import SimpleFeaturePyramid, resize_encoder
+from vip_core.eval.seeding import data_loader, generator, job_seed, seeded
 
 logger = logging.getLogger(__name__)
 
@@ -81,16 +82,18 @@ def build_detector(encoder: nn.Module, num_classes: int, with_masks: bool, setti
 def train_detector(detector: nn.Module, dataset: CocoDetectionDataset, settings: DetectionSettings,
                    device: torch.device) -> nn.Module:
     """End-to-end training for ``settings.epochs`` epochs; returns the detector in eval mode."""
-    torch.manual_seed(settings.seed)
-    loader = DataLoader(dataset, batch_size=settings.batch_size, shuffle=True, collate_fn=detection_collate)
+    loader = data_loader(dataset, batch_size=settings.batch_size, generator=generator(settings.seed, "shuffle"),
+                         shuffle=True, collate_fn=detection_collate)
+    steps = itertools.count()
     optimizer = layer_decay_adamw(detector, "backbone.encoder.", lr=settings.lr, weight_decay=settings.weight_decay,
                                   layer_decay=settings.layer_decay)
     detector.to(device)
 
     def loss_of(batch: tuple[list[torch.Tensor], list[dict]]) -> torch.Tensor:
         images, targets = batch
-        losses = detector([image.to(device) for image in images],
-                          [{key: value.to(device) for key, value in target.items()} for target in targets])
+        with seeded(job_seed(settings.seed, "samplers", str(next(steps)))):  # torchvision's RPN and RoI samplers
+            losses = detector([image.to(device) for image in images],
+                              [{key: value.to(device) for key, value in target.items()} for target in targets])
         return sum(losses.values())
 
     fit(detector, optimizer, lambda: loader, loss_of, epochs=settings.epochs, steps_per_epoch=len(loader),
@@ -106,7 +109,7 @@ def predict_coco(detector: nn.Module, dataset: CocoDetectionDataset, batch_size:
 
     detector.to(device).eval()
     results = []
-    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=detection_collate)
+    loader = data_loader(dataset, batch_size=batch_size, shuffle=False, collate_fn=detection_collate)
     infos = iter(dataset.images)
     for images, _ in loader:
         for output in detector([image.to(device) for image in images]):
@@ -177,7 +180,8 @@ def detection_eval(encoder: nn.Module, root: str | Path, settings: DetectionSett
     with_masks = splits["with_masks"]
     train = CocoDetectionDataset(splits["train"]["data"], splits["train"]["images"], settings.img_size, with_masks)
     val = CocoDetectionDataset(splits["val"]["data"], splits["val"]["images"], settings.img_size, with_masks)
-    detector = build_detector(encoder, len(train.category_ids), with_masks, settings)
+    with seeded(job_seed(settings.seed, "heads")):
+        detector = build_detector(encoder, len(train.category_ids), with_masks, settings)
     train_detector(detector, train, settings, device)
     detections = predict_coco(detector, val, settings.batch_size, device)
     box = coco_average_precision(splits["val"]["annotations"], detections, "bbox")
