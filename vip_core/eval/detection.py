@@ -13,6 +13,7 @@ import contextlib
 import io
 import itertools
 import logging
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,8 @@ from vip_core.eval.seeding import data_loader, generator, job_seed, seeded
 logger = logging.getLogger(__name__)
 
 LEVELS = ["0", "1", "2", "3"]
+# sys.stdout is one for the process: one evaluation at a time redirects it (two at once could leave it redirected)
+_STDOUT = threading.Lock()
 # torchvision's proposal and RoI counts suit images of this side; smaller images get proportionally fewer.
 DEFAULT_DETECTION_SIZE = 800
 
@@ -149,7 +152,7 @@ def coco_average_precision(annotation_file: Path, detections: list[dict[str, Any
     if not detections:
         return {"ap": 0.0, "ap50": 0.0}
     report = io.StringIO()
-    with contextlib.redirect_stdout(report):  # pycocotools prints its progress and summary
+    with _STDOUT, contextlib.redirect_stdout(report):  # pycocotools prints its progress and summary
         ground_truth = COCO(str(annotation_file))
         evaluation = COCOeval(ground_truth, ground_truth.loadRes(detections), iouType=iou_type)
         evaluation.evaluate()
