@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator
 from prefect import task
 from prefect.artifacts import create_link_artifact
 from prefect.runtime import flow_run, task_run
+from prefect.utilities.annotations import quote
 
 from flows.caching import eval_stage, stage_cache_key
 from tasks.runtime.folders import digest, fingerprint
@@ -68,8 +69,10 @@ def in_fresh_process(function: Callable[..., dict], *args: Any) -> dict:
 
 
 def _pretrain_stage_name() -> str:
-    """``pretrain-syn`` or ``pretrain-dp``: the run name of a pre-training task run."""
-    return PRETRAIN_STAGES[task_run.parameters["stage"]]
+    """``pretrain-syn`` or ``pretrain-dp``: the run name of a pre-training task run (whose parameters the graph
+    quotes, :func:`flows.graph._submit`)."""
+    stage = task_run.parameters["stage"]
+    return PRETRAIN_STAGES[stage.unquote() if isinstance(stage, quote) else stage]
 
 
 @task(
