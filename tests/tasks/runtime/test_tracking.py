@@ -25,10 +25,31 @@ def test_a_stage_run_is_a_child_of_the_flow_run_with_the_flattened_config_as_par
     assert child_run.data.tags[tracking.STAGE_TAG] == "render"
     assert child_run.info.status == "FINISHED"
     assert child_run.data.params == flatten(config)
-    assert child_run.data.metrics == {"render/images": 256.0, "render/skipped/blank": 3.0}
+    assert child_run.data.metrics == {"render.images": 256.0, "render.skipped.blank": 3.0}
     assert {a.path for a in client.list_artifacts(child)} == {"config.json", "render.json"}
     assert client.get_run(parent).data.tags[tracking.FLOW_RUN_TAG] == "flow-run-1"
     assert [run.info.run_id for run in tracking.child_runs(parent)] == [child]
+
+
+def test_the_experiment_and_the_links_open_the_model_training_view():
+    experiment = tracking.client().get_experiment(tracking.experiment_id())
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
+    run_id = tracking.start_run("vip-pipeline/links")
+    tracking.end_run(run_id)
+    base = "http://127.0.0.1:5999"
+    assert tracking.run_ui_url(run_id, base) == (
+        f"{base}/#/experiments/{experiment.experiment_id}/runs/{run_id}?workflowType=machine_learning")
+    assert tracking.run_ui_url(run_id, base, tab="model-metrics") == (
+        f"{base}/#/experiments/{experiment.experiment_id}/runs/{run_id}/model-metrics?workflowType=machine_learning")
+    assert tracking.experiment_ui_url(base) == f"{base}/#/experiments/{experiment.experiment_id}?workflowType=machine_learning"
+
+
+def test_an_experiment_made_before_the_tag_gets_it():
+    client = tracking.client()
+    client.create_experiment("vip-untagged")
+    assert "mlflow.experimentKind" not in client.get_experiment_by_name("vip-untagged").tags
+    tagged = client.get_experiment(tracking.experiment_id("vip-untagged"))
+    assert tagged.tags["mlflow.experimentKind"] == "custom_model_development"
 
 
 def test_a_retried_stage_continues_its_failed_run():
