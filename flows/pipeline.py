@@ -55,6 +55,7 @@ def vip_pipeline(
             pretrain_dp=graph.pretrain_dp().result(), evaluations=evaluations, registered_model=registered,
             audit=audited.result() if audited else None,
         )
+        tracking.copy_history(graph.pretrain_dp().result()["mlflow_run_id"], graph.parent_run_id, "privacy/epsilon")
         tracking.log_metrics(graph.parent_run_id, results.summary_metrics(summary), step=summary["privacy"]["steps"])
         tracking.client().log_dict(graph.parent_run_id, summary, "results.json")
         create_markdown_artifact(results.markdown_table(summary), key="vip-results", description="ViP results")

@@ -44,6 +44,7 @@ FLOW_RUN_TAG = "prefect.flow_run_id"
 PARENT_TAG = "mlflow.parentRunId"
 STAGE_TAG = "vip.stage"
 PARAMS_PER_BATCH = 100
+METRICS_PER_BATCH = 1000
 # The UI shows a model-training experiment (runs, metric charts) rather than a GenAI one (traces).
 EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}
 DEFAULT_UI_URL = "http://127.0.0.1:5000"
@@ -206,6 +207,14 @@ def numeric_leaves(result: Mapping[str, Any], namespace: str) -> dict[str, float
         elif _is_number(value):
             flat[name] = float(value)
     return flat
+
+
+def copy_history(source_run_id: str, run_id: str, key: str) -> None:
+    """Logs the whole history of metric ``key`` of run ``source_run_id`` into run ``run_id`` (a flow's run then
+    charts the private stage's ε over its steps); logging it again changes nothing."""
+    history = client().get_metric_history(source_run_id, key)
+    for start in range(0, len(history), METRICS_PER_BATCH):
+        client().log_batch(run_id, metrics=history[start:start + METRICS_PER_BATCH])
 
 
 def log_result(run_id: str, namespace: str, result: Mapping[str, Any]) -> None:

@@ -52,6 +52,17 @@ def test_an_experiment_made_before_the_tag_gets_it():
     assert tagged.tags["mlflow.experimentKind"] == "custom_model_development"
 
 
+def test_the_flow_run_charts_the_private_stage_epsilon_over_its_steps():
+    parent = tracking.start_run("vip-pipeline/history")
+    with tracking.stage_run(parent, "pretrain-dp", tiny()) as child:
+        for step, epsilon in enumerate((0.5, 0.9, 1.2), start=1):
+            tracking.log_metrics(child, {"privacy/epsilon": epsilon}, step=step)
+    tracking.copy_history(child, parent, "privacy/epsilon")
+    tracking.copy_history(child, parent, "privacy/epsilon")  # a retried flow copies it again
+    history = tracking.client().get_metric_history(parent, "privacy/epsilon")
+    assert [(metric.step, metric.value) for metric in history] == [(1, 0.5), (2, 0.9), (3, 1.2)]
+
+
 def test_a_retried_stage_continues_its_failed_run():
     config = tiny()
     parent = tracking.start_run("vip-pipeline/retry", config=config)
