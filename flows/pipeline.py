@@ -56,7 +56,7 @@ def vip_pipeline(
             audit=audited.result() if audited else None,
         )
         tracking.copy_history(graph.pretrain_dp().result()["mlflow_run_id"], graph.parent_run_id, "privacy/epsilon")
-        tracking.log_metrics(graph.parent_run_id, results.summary_metrics(summary), step=summary["privacy"]["steps"])
+        tracking.log_summary(graph.parent_run_id, results.summary_metrics(summary))
         tracking.client().log_dict(graph.parent_run_id, summary, "results.json")
         create_markdown_artifact(results.markdown_table(summary), key="vip-results", description="ViP results")
     return summary

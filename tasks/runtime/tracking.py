@@ -5,8 +5,9 @@ stack, so a child run can be written from another thread or process (a Ray worke
 into the run id it is given). A child run is linked to its parent with the ``mlflow.parentRunId`` tag, the
 same link ``mlflow.start_run(parent_run_id=...)`` writes (``nested=True`` only works inside one process).
 
-Names of metrics are namespaced: ``train/loss``, ``privacy/epsilon``, ``eval/<task>/<metric>``; a stage's
-result is logged once, as ``<stage>.<count>`` (``ingest.kept``). MLflow's run page makes a section of charts of
+Names of metrics are namespaced: ``train/loss``, ``privacy/epsilon``, ``eval/<task>/<metric>``; single values
+(a stage's result, a flow's summary) are logged once with ``.`` for ``/`` (``ingest.kept``,
+``eval.linprobe.top1``, :func:`log_summary`). MLflow's run page makes a section of charts of
 each prefix before the last ``/`` (in alphabetical order) and puts names without a ``/`` last, in "Model
 metrics"; a metric logged at step 0 only is a bar, one with steps a line: so the per-step ``privacy/epsilon`` and
 ``train/loss`` lead and the single values follow. Params are the flattened :class:`~vip_core.config.VipConfig`
@@ -217,10 +218,16 @@ def copy_history(source_run_id: str, run_id: str, key: str) -> None:
         client().log_batch(run_id, metrics=history[start:start + METRICS_PER_BATCH])
 
 
+def log_summary(run_id: str, metrics: Mapping[str, float]) -> None:
+    """Single values (a stage's result, a flow's summary) at step 0, ``/`` written ``.`` (``eval.linprobe.top1``):
+    MLflow charts them after the per-step series (see the module's note)."""
+    log_metrics(run_id, {name.replace("/", "."): value for name, value in metrics.items()})
+
+
 def log_result(run_id: str, namespace: str, result: Mapping[str, Any]) -> None:
-    """A stage's result: its numbers as metrics ``<namespace>.<key>`` at step 0 (charted after the per-step
-    series, see the module's note), the whole dict as ``<namespace>.json``."""
-    log_metrics(run_id, {name.replace("/", "."): value for name, value in numeric_leaves(result, namespace).items()})
+    """A stage's result: its numbers as :func:`log_summary` ``<namespace>.<key>``, the whole dict as
+    ``<namespace>.json``."""
+    log_summary(run_id, numeric_leaves(result, namespace))
     client().log_dict(run_id, json.loads(json.dumps(result, default=str)), f"{namespace.replace('/', '-')}.json")
 
 

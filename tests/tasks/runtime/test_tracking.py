@@ -26,6 +26,7 @@ def test_a_stage_run_is_a_child_of_the_flow_run_with_the_flattened_config_as_par
     assert child_run.info.status == "FINISHED"
     assert child_run.data.params == flatten(config)
     assert child_run.data.metrics == {"render.images": 256.0, "render.skipped.blank": 3.0}
+    assert [(m.step, m.value) for m in client.get_metric_history(child, "render.images")] == [(0, 256.0)]
     assert {a.path for a in client.list_artifacts(child)} == {"config.json", "render.json"}
     assert client.get_run(parent).data.tags[tracking.FLOW_RUN_TAG] == "flow-run-1"
     assert [run.info.run_id for run in tracking.child_runs(parent)] == [child]
