@@ -283,6 +283,12 @@ def run_ui_url(run_id: str, base_url: str | None = None, tab: str = "") -> str:
     return f"{base_url or ui_base_url()}{path}?{ML_VIEW}"
 
 
+def model_ui_url(name: str = ENCODER_MODEL_NAME, version: str | None = None, base_url: str | None = None) -> str:
+    """The registered model's page (or one version's) in the MLflow UI, in its model-training view."""
+    path = f"/#/models/{name}" + (f"/versions/{version}" if version else "")
+    return f"{base_url or ui_base_url()}{path}?{ML_VIEW}"
+
+
 def experiment_ui_url(base_url: str | None = None) -> str:
     """The experiment's runs in the MLflow UI, in its model-training view (created on first use)."""
     return f"{base_url or ui_base_url()}/#/experiments/{experiment_id()}?{ML_VIEW}"

@@ -108,8 +108,9 @@ def test_a_run_from_the_custom_run_form_shows_epsilon_over_steps_and_registers_a
     # The registered encoder: its page, then loaded back from the registry as a pytorch model.
     [version] = tracking.client().search_model_versions(
         f"name = '{tracking.ENCODER_MODEL_NAME}' and run_id = '{parent.info.run_id}'")
-    page.goto(f"{mlflow_url}/#/models/{tracking.ENCODER_MODEL_NAME}/versions/{version.version}")
+    page.goto(tracking.model_ui_url(tracking.ENCODER_MODEL_NAME, version.version, mlflow_url))
     page.get_by_text(f"Version {version.version}").first.wait_for()
+    assert page.get_by_text("Observability").count() == 0
     page.screenshot(path=artifacts_dir / "journey-7-mlflow-registered-model.png")
     import mlflow.pytorch
     import torch

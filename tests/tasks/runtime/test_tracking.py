@@ -43,6 +43,7 @@ def test_the_experiment_and_the_links_open_the_model_training_view():
     assert tracking.run_ui_url(run_id, base, tab="model-metrics") == (
         f"{base}/#/experiments/{experiment.experiment_id}/runs/{run_id}/model-metrics?workflowType=machine_learning")
     assert tracking.experiment_ui_url(base) == f"{base}/#/experiments/{experiment.experiment_id}?workflowType=machine_learning"
+    assert tracking.model_ui_url("vip-encoder", "3", base) == f"{base}/#/models/vip-encoder/versions/3?workflowType=machine_learning"
 
 
 def test_an_experiment_made_before_the_tag_gets_it():
