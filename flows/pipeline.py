@@ -54,7 +54,8 @@ def vip_pipeline(
             pretrain_dp=graph.pretrain_dp().result(), evaluations=evaluations, registered_model=registered.result(),
             audit=audited.result() if audited else None,
         )
-        tracking.log_metrics(graph.parent_run_id, results.summary_metrics(summary), step=summary["privacy"]["steps"])
+        tracking.copy_history(graph.pretrain_dp().result()["mlflow_run_id"], graph.parent_run_id, "privacy/epsilon")
+        tracking.log_summary(graph.parent_run_id, results.summary_metrics(summary))
         tracking.client().log_dict(graph.parent_run_id, summary, "results.json")
         create_markdown_artifact(results.markdown_table(summary), key="vip-results", description="ViP results")
     return summary

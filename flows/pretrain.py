@@ -35,5 +35,5 @@ def pretrain_dp_flow(config: VipConfig = tiny(), url_list: str = "", eval_data: 
     """
     with stage_graph("vip-pretrain-dp", config, url_list=url_list, eval_data=eval_data, workdir=workdir) as graph:
         result = log_stage_result(graph, "pretrain-dp", graph.pretrain_dp().result())
-        tracking.log_metrics(graph.parent_run_id, {"privacy/epsilon": result["epsilon"]}, step=result["steps"])
+        tracking.copy_history(result["mlflow_run_id"], graph.parent_run_id, "privacy/epsilon")
         return result

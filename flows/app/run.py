@@ -181,7 +181,8 @@ def _mlflow_links(summary: dict) -> list[str]:
     from tasks.runtime import tracking
 
     return [f"  MLflow run:       {tracking.run_ui_url(summary['mlflow_run_id'])}",
-            f"  MLflow model:     {tracking.ui_base_url()}/#/models/{summary['registered_model'].split('/')[0]}",
+            f"  MLflow runs:      {tracking.experiment_ui_url()}",
+            f"  MLflow model:     {tracking.model_ui_url(*summary['registered_model'].split('/'))}",
             f"  files:            {summary['workdir']}"]
 
 

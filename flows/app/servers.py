@@ -228,6 +228,7 @@ def serve_ui() -> int:
                         else home / "mlflow")
         print(f"Prefect UI: {prefect_url()}   (flow runs, deployments; state: {prefect_store})")
         print(f"MLflow UI:  {mlflow_url()}   (runs, metrics, registered models; state: {mlflow_store})")
+        print(f"  the runs: {_experiment_url()}")
         if not started:
             print("Both servers were already running; nothing to do.")
             return 0
@@ -243,6 +244,13 @@ def serve_ui() -> int:
     finally:
         for service in reversed(started):
             stop(service)
+
+
+def _experiment_url() -> str:
+    """The experiment's runs in the MLflow UI's model-training view (not its GenAI view, MLflow 3's default)."""
+    from tasks.runtime import tracking
+
+    return tracking.experiment_ui_url(mlflow_url())
 
 
 def main(argv: list[str] | None = None) -> int:

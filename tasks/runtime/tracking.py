@@ -5,9 +5,18 @@ stack, so a child run can be written from another thread or process (a Ray worke
 into the run id it is given). A child run is linked to its parent with the ``mlflow.parentRunId`` tag, the
 same link ``mlflow.start_run(parent_run_id=...)`` writes (``nested=True`` only works inside one process).
 
-Names of metrics are namespaced: ``train/loss``, ``privacy/epsilon``, ``eval/<task>/<metric>``,
-``ingest/<count>``. Params are the flattened :class:`~vip_core.config.VipConfig` (``privacy.max_grad_norm``);
-params are immutable, so everything that changes during a run (ε included) is a metric.
+Names of metrics are namespaced: ``train/loss``, ``privacy/epsilon``, ``eval/<task>/<metric>``; single values
+(a stage's result, a flow's summary) are logged once with ``.`` for ``/`` (``ingest.kept``,
+``eval.linprobe.top1``, :func:`log_summary`). MLflow's run page makes a section of charts of
+each prefix before the last ``/`` (in alphabetical order) and puts names without a ``/`` last, in "Model
+metrics"; a metric logged at step 0 only is a bar, one with steps a line: so the per-step ``privacy/epsilon`` and
+``train/loss`` lead and the single values follow. Params are the flattened :class:`~vip_core.config.VipConfig`
+(``privacy.max_grad_norm``); params are immutable, so everything that changes during a run (ε included) is a metric.
+
+MLflow 3's UI shows an experiment as GenAI (traces) or model training (runs, charts) by the URL's
+``workflowType`` (else the browser's last choice, GenAI at first); the links made here carry
+``workflowType=machine_learning``, and the experiment is tagged ``mlflow.experimentKind`` for versions that
+read the tag.
 
 The tracking URI comes from ``MLFLOW_TRACKING_URI`` (by default the sqlite store in ``$VIP_HOME/mlflow``,
 set by :func:`tasks.runtime.environment.configure_environment`); a team points it at its MLflow server instead.
@@ -38,9 +47,11 @@ FLOW_RUN_TAG = "prefect.flow_run_id"
 PARENT_TAG = "mlflow.parentRunId"
 STAGE_TAG = "vip.stage"
 PARAMS_PER_BATCH = 100
+METRICS_PER_BATCH = 1000
 # The UI shows a model-training experiment (runs, metric charts) rather than a GenAI one (traces).
 EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}
 DEFAULT_UI_URL = "http://127.0.0.1:5000"
+ML_VIEW = "workflowType=machine_learning"  # the URL query of MLflow 3's model-training view
 LOCAL_SCHEMES = ("sqlite", "file", "postgresql", "mysql", "mssql")
 # The published ledger's entries, as tags of a registered encoder's version.
 LEDGER_TAGS = {"epsilon": "epsilon", "delta": "delta", "noise_multiplier": "sigma", "sample_rate": "q", "steps": "steps",
@@ -53,7 +64,7 @@ def client() -> MlflowClient:
 
 
 def experiment_id(name: str = EXPERIMENT) -> str:
-    """The id of experiment ``name``, created on first use.
+    """The id of experiment ``name``, created on first use, tagged as a model-training experiment.
 
     With a database store and no server in between, artifacts go to ``$VIP_HOME/mlflow/artifacts`` (the
     folder ``make ui`` serves); through a tracking server the server chooses.
@@ -61,6 +72,9 @@ def experiment_id(name: str = EXPERIMENT) -> str:
     mlflow_client = client()
     experiment = mlflow_client.get_experiment_by_name(name)
     if experiment is not None:
+        for key, value in EXPERIMENT_TAGS.items():  # an experiment made before the tag
+            if experiment.tags.get(key) != value:
+                mlflow_client.set_experiment_tag(experiment.experiment_id, key, value)
         return experiment.experiment_id
     location = None
     if _tracking_scheme() in LOCAL_SCHEMES:
@@ -202,9 +216,24 @@ def numeric_leaves(result: Mapping[str, Any], namespace: str) -> dict[str, float
     return flat
 
 
-def log_result(run_id: str, namespace: str, result: Mapping[str, Any], step: int = 0) -> None:
-    """A stage's result: its numbers as metrics under ``namespace/``, the whole dict as ``<namespace>.json``."""
-    log_metrics(run_id, numeric_leaves(result, namespace), step=step)
+def copy_history(source_run_id: str, run_id: str, key: str) -> None:
+    """Logs the whole history of metric ``key`` of run ``source_run_id`` into run ``run_id`` (a flow's run then
+    charts the private stage's ε over its steps); logging it again changes nothing."""
+    history = client().get_metric_history(source_run_id, key)
+    for start in range(0, len(history), METRICS_PER_BATCH):
+        client().log_batch(run_id, metrics=history[start:start + METRICS_PER_BATCH])
+
+
+def log_summary(run_id: str, metrics: Mapping[str, float]) -> None:
+    """Single values (a stage's result, a flow's summary) at step 0, ``/`` written ``.`` (``eval.linprobe.top1``):
+    MLflow charts them after the per-step series (see the module's note)."""
+    log_metrics(run_id, {name.replace("/", "."): value for name, value in metrics.items()})
+
+
+def log_result(run_id: str, namespace: str, result: Mapping[str, Any]) -> None:
+    """A stage's result: its numbers as :func:`log_summary` ``<namespace>.<key>``, the whole dict as
+    ``<namespace>.json``."""
+    log_summary(run_id, numeric_leaves(result, namespace))
     client().log_dict(run_id, json.loads(json.dumps(result, default=str)), f"{namespace.replace('/', '-')}.json")
 
 
@@ -307,7 +336,18 @@ def run_ui_url(run_id: str, base_url: str | None = None, tab: str = "") -> str:
     """The run's page in the MLflow UI, in its model-training view; ``tab="model-metrics"``: the charts."""
     info = client().get_run(run_id).info
     path = f"/#/experiments/{info.experiment_id}/runs/{run_id}" + (f"/{tab}" if tab else "")
-    return f"{base_url or ui_base_url()}{path}?workflowType=machine_learning"
+    return f"{base_url or ui_base_url()}{path}?{ML_VIEW}"
+
+
+def model_ui_url(name: str = ENCODER_MODEL_NAME, version: str | None = None, base_url: str | None = None) -> str:
+    """The registered model's page (or one version's) in the MLflow UI, in its model-training view."""
+    path = f"/#/models/{name}" + (f"/versions/{version}" if version else "")
+    return f"{base_url or ui_base_url()}{path}?{ML_VIEW}"
+
+
+def experiment_ui_url(base_url: str | None = None) -> str:
+    """The experiment's runs in the MLflow UI, in its model-training view (created on first use)."""
+    return f"{base_url or ui_base_url()}/#/experiments/{experiment_id()}?{ML_VIEW}"
 
 
 def child_runs(parent_run_id: str) -> list:

@@ -33,7 +33,7 @@ def test_each_flow_run_has_an_mlflow_parent_run_with_the_stage_as_a_child(prefec
         [tracking.experiment_id()], filter_string=f"tags.`{tracking.FLOW_RUN_TAG}` = '{flow_run_id}'")
     assert parent.info.status == "FINISHED"
     assert parent.data.params["data.render.num_images"] == "32"
-    assert parent.data.metrics["render/images"] == 32.0
+    assert parent.data.metrics["render.images"] == 32.0
     [child] = tracking.child_runs(parent.info.run_id)
     assert child.data.tags[tracking.STAGE_TAG] == "render"
-    assert child.data.metrics["render/images"] == 32.0
+    assert child.data.metrics["render.images"] == 32.0

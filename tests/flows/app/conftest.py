@@ -1,5 +1,6 @@
 """Fixtures of the application's tests: Debian's Chromium and PostgreSQL (installed by ``make system-deps``
-when missing), the Prefect and MLflow servers on free ports of 127.0.0.1, and a headless Chromium."""
+when missing), the Prefect and MLflow servers on free ports of 127.0.0.1, and a headless Chromium driven
+through chromedriver (``browser``) or Playwright (``page``, Debian's Chromium: no browser download)."""
 
 from __future__ import annotations
 
@@ -75,6 +76,21 @@ def browser(system_programs) -> Iterator:
     finally:
         driver.quit()
         shutil.rmtree(profile, ignore_errors=True)
+
+
+@pytest.fixture
+def page(system_programs) -> Iterator:
+    """A Playwright page in a headless Debian Chromium, 1400 x 1000."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=shutil.which("chromium"), args=list(CHROMIUM_FLAGS))
+        try:
+            page = chromium.new_page(viewport={"width": 1400, "height": 1000})
+            page.set_default_timeout(120_000)
+            yield page
+        finally:
+            chromium.close()
 
 
 @pytest.fixture(scope="session")

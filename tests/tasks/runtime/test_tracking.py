@@ -29,10 +29,44 @@ def test_a_stage_run_is_a_child_of_the_flow_run_with_the_flattened_config_as_par
     assert child_run.data.tags[tracking.STAGE_TAG] == "render"
     assert child_run.info.status == "FINISHED"
     assert child_run.data.params == flatten(config)
-    assert child_run.data.metrics == {"render/images": 256.0, "render/skipped/blank": 3.0}
+    assert child_run.data.metrics == {"render.images": 256.0, "render.skipped.blank": 3.0}
+    assert [(m.step, m.value) for m in client.get_metric_history(child, "render.images")] == [(0, 256.0)]
     assert {a.path for a in client.list_artifacts(child)} == {"config.json", "render.json"}
     assert client.get_run(parent).data.tags[tracking.FLOW_RUN_TAG] == "flow-run-1"
     assert [run.info.run_id for run in tracking.child_runs(parent)] == [child]
+
+
+def test_the_experiment_and_the_links_open_the_model_training_view():
+    experiment = tracking.client().get_experiment(tracking.experiment_id())
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
+    run_id = tracking.start_run("vip-pipeline/links")
+    tracking.end_run(run_id)
+    base = "http://127.0.0.1:5999"
+    assert tracking.run_ui_url(run_id, base) == (
+        f"{base}/#/experiments/{experiment.experiment_id}/runs/{run_id}?workflowType=machine_learning")
+    assert tracking.run_ui_url(run_id, base, tab="model-metrics") == (
+        f"{base}/#/experiments/{experiment.experiment_id}/runs/{run_id}/model-metrics?workflowType=machine_learning")
+    assert tracking.experiment_ui_url(base) == f"{base}/#/experiments/{experiment.experiment_id}?workflowType=machine_learning"
+    assert tracking.model_ui_url("vip-encoder", "3", base) == f"{base}/#/models/vip-encoder/versions/3?workflowType=machine_learning"
+
+
+def test_an_experiment_made_before_the_tag_gets_it():
+    client = tracking.client()
+    client.create_experiment("vip-untagged")
+    assert "mlflow.experimentKind" not in client.get_experiment_by_name("vip-untagged").tags
+    tagged = client.get_experiment(tracking.experiment_id("vip-untagged"))
+    assert tagged.tags["mlflow.experimentKind"] == "custom_model_development"
+
+
+def test_the_flow_run_charts_the_private_stage_epsilon_over_its_steps():
+    parent = tracking.start_run("vip-pipeline/history")
+    with tracking.stage_run(parent, "pretrain-dp", tiny()) as child:
+        for step, epsilon in enumerate((0.5, 0.9, 1.2), start=1):
+            tracking.log_metrics(child, {"privacy/epsilon": epsilon}, step=step)
+    tracking.copy_history(child, parent, "privacy/epsilon")
+    tracking.copy_history(child, parent, "privacy/epsilon")  # a retried flow copies it again
+    history = tracking.client().get_metric_history(parent, "privacy/epsilon")
+    assert [(metric.step, metric.value) for metric in history] == [(1, 0.5), (2, 0.9), (3, 1.2)]
 
 
 def test_a_retried_stage_continues_its_failed_run():
