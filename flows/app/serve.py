@@ -1,4 +1,5 @@
-"""``make serve``: the pipeline and each stage's flow as Prefect deployments, so runs start from the Prefect UI.
+"""``make serve``: the pipeline, each stage's flow and ``vip-reproduce`` as Prefect deployments, so runs start from the
+Prefect UI.
 
 Needs the Prefect server (``make ui``, or ``PREFECT_API_URL`` naming a team's server). The deployments'
 default parameters are the preset's config and the demo's inputs (the sample web, served by this process
@@ -17,9 +18,11 @@ from prefect import serve
 
 from flows.app.run import WEB_PORT, flow_inputs
 from flows.app.servers import use_running_prefect_server
+from flows.reproduce import reproduce_flow
 from flows.targets import FLOWS
 from tasks.runtime.environment import configure_environment
 from vip_core.config import VipConfig, get_preset
+from vip_core.reproduce import reproduce
 
 
 def deployments(config: VipConfig, inputs: dict[str, str]) -> list:
@@ -32,7 +35,15 @@ def deployments(config: VipConfig, inputs: dict[str, str]) -> list:
                       **{key: value for key, value in inputs.items() if key in accepted}}
         made.append(flow.to_deployment(config.name, parameters=parameters, description=f"make {target}: {description}",
                                        tags=["vip"] if target == "run" else ["vip", "stage"]))
-    return made
+    return [*made, reproduce_deployment()]
+
+
+def reproduce_deployment():
+    """``make reproduce``'s flow as the deployment ``vip-reproduce/default``: the experiment's sizes as the form."""
+    experiment = reproduce()
+    return reproduce_flow.to_deployment(
+        "default", parameters={"experiment": experiment.model_dump(mode="json")}, tags=["vip", "experiment"],
+        description="make reproduce: every arm on every seed, then the table, the plot and a verdict per finding")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,11 +35,11 @@ class ObjectStyle:
 
     size: int = 32
     rotation_deg: float = 10.0
-    radius: tuple[float, float] = (0.3, 0.45)
+    radius: tuple[float, float] = (0.35, 0.45)
     colour_jitter: float = 0.2
     photo_texture: float = 0.2
     pixel_noise: float = 0.02
-    background_contrast: float = 0.5  # the backgrounds' deviation from their own mean colour is scaled by this
+    background_contrast: float = 0.3  # the backgrounds' deviation from their own mean colour is scaled by this
     photo_side: int = 96  # photographs are scaled so that their short side is this many pixels
 
 

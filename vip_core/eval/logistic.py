@@ -16,7 +16,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-L2_GRID = (1e-3, 1e-2, 1e-1)
+L2_GRID = (1e-4, 1e-3, 1e-2)
 
 
 @dataclass(frozen=True)
