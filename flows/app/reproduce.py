@@ -27,11 +27,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", default="", help="default: $VIP_HOME/runs/<experiment name>")
     args = parser.parse_args(argv)
     configure_environment()
-    from flows.app.progress import TrainingProgress
     from flows.app.run import prepare_console, say, stage_states
+
+    prepare_console()  # before Prefect is imported: it reads its settings then
+    from flows.app.progress import TrainingProgress
     from flows.reproduce import reproduce_flow
 
-    prepare_console()
     experiment = EXPERIMENTS[args.experiment]()
     say(f"experiment {experiment.name}: seeds {list(experiment.seeds)}, arms {', '.join(experiment.arms)}")
     started = time.perf_counter()
