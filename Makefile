@@ -50,7 +50,7 @@ $(STAGES): setup
 	$(PY) -m flows.app.run $@ $(FLOW_OPTIONS)
 
 # `make reproduce`: the experiment of docs/reproduce.md (the Prefect flow vip-reproduce): every arm on 2 seeds, then
-# the table, the plot and a verdict per finding (about 35-40 min here). FULL=1: the longer recipe (3 seeds, the
+# the table, the plot and a verdict per finding (42 min measured here, shared machine). FULL=1: the longer recipe (3 seeds, the
 # non-private ceiling, 300 synthetic steps, DP B = 2,048 x 30 steps on 100k images each).
 FULL ?=
 reproduce: setup

@@ -23,7 +23,7 @@ def summary(result: dict, seconds: float) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flows.app.reproduce", description=__doc__.splitlines()[0])
     parser.add_argument("--experiment", choices=sorted(EXPERIMENTS), default="default",
-                        help="default: about 35-40 min here; full: the longer recipe; smoke: minutes, for tests")
+                        help="default: 42 min measured here; full: the longer recipe; smoke: minutes, for tests")
     parser.add_argument("--workdir", default="", help="default: $VIP_HOME/runs/<experiment name>")
     args = parser.parse_args(argv)
     configure_environment()
