@@ -1,5 +1,7 @@
-"""``make reproduce [FULL=1]``: the flow ``vip-reproduce`` on local Prefect, Ray and MLflow, then its table,
-verdicts, plot and wall clock printed for the person at the terminal."""
+"""``make reproduce [FULL=1]``: the flow vip-reproduce on local Prefect, Ray and MLflow, then its results printed.
+
+The table, each finding's verdict, the plot's path and the wall clock, for the person at the terminal.
+"""
 
 from __future__ import annotations
 
