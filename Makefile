@@ -49,6 +49,13 @@ FLOW_OPTIONS = --preset $(PRESET) $(if $(URL_LIST),--url-list $(URL_LIST)) $(if 
 $(STAGES): setup
 	$(PY) -m flows.app.run $@ $(FLOW_OPTIONS)
 
+# `make reproduce`: the experiment of docs/reproduce.md (the Prefect flow vip-reproduce): every arm on 2 seeds, then
+# the table, the plot and a verdict per finding (42 min measured here, shared machine). FULL=1: the longer recipe (3 seeds, the
+# non-private ceiling, 300 synthetic steps, DP B = 2,048 x 30 steps on 100k images each).
+FULL ?=
+reproduce: setup
+	$(PY) -m flows.app.reproduce --experiment $(if $(FULL),full,default)
+
 # `make ui`: the Prefect UI on 127.0.0.1:4200 and the MLflow UI on 127.0.0.1:5000, on the stores in $(VIP_HOME).
 ui: setup
 	$(PY) -m flows.app.servers ui
@@ -57,7 +64,7 @@ ui: setup
 serve: setup
 	$(PY) -m flows.app.serve
 
-.PHONY: $(STAGES) ui serve
+.PHONY: $(STAGES) ui serve reproduce
 
 # Debian packages of the browser and PostgreSQL tests (their set-up runs this target when one is missing).
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)

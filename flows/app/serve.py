@@ -1,4 +1,5 @@
-"""``make serve``: the pipeline and each stage's flow as Prefect deployments, so runs start from the Prefect UI.
+"""``make serve``: the pipeline, each stage's flow and ``vip-reproduce`` as Prefect deployments, so runs start from the
+Prefect UI.
 
 Needs the Prefect server (``make ui``, or ``PREFECT_API_URL`` naming a team's server): the API URL is set
 before Prefect is imported (Prefect reads it then; without one it would start a temporary server of its own),
@@ -22,6 +23,7 @@ from flows.app.run import WEB_PORT, flow_inputs
 from flows.app.servers import is_healthy, prefect_url, use_running_prefect_server
 from tasks.runtime.environment import configure_environment
 from vip_core.config import VipConfig, get_preset
+from vip_core.reproduce import reproduce
 
 
 def deployments(config: VipConfig, inputs: dict[str, str]) -> list:
@@ -36,7 +38,17 @@ def deployments(config: VipConfig, inputs: dict[str, str]) -> list:
                       **{key: value for key, value in inputs.items() if key in accepted}}
         made.append(flow.to_deployment(config.name, parameters=parameters, description=f"make {target}: {description}",
                                        tags=["vip"] if target == "run" else ["vip", "stage"]))
-    return made
+    return [*made, reproduce_deployment()]
+
+
+def reproduce_deployment():
+    """``make reproduce``'s flow as the deployment ``vip-reproduce/default``: the experiment's sizes as the form."""
+    from flows.reproduce import reproduce_flow
+
+    experiment = reproduce()
+    return reproduce_flow.to_deployment(
+        "default", parameters={"experiment": experiment.model_dump(mode="json")}, tags=["vip", "experiment"],
+        description="make reproduce: every arm on every seed, then the table, the plot and a verdict per finding")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,6 +11,9 @@ from typing import Any, Mapping
 from tasks.runtime.tracking import numeric_leaves
 from vip_core.config import VipConfig
 
+# What a single run's numbers can say: no confidence interval, one seed, the preset's scale.
+SCALE_NOTE = ("one run, no confidence intervals: at the {preset} preset's scale these numbers show that the stages run, "
+              "not what pre-training gives (make reproduce measures that, with CIs and verdicts: docs/reproduce.md)")
 AUDIT_KEYS = ("epsilon_lower_bound", "epsilon_claimed", "canaries", "correct_guesses", "guesses")
 PRIVACY_KEYS = ("epsilon", "delta", "steps", "noise_multiplier", "sample_rate", "dataset_size")
 
@@ -109,6 +112,7 @@ def text_table(summary: Mapping[str, Any]) -> str:
     if audit_line(summary):
         lines.append(f"  audit: {audit_line(summary)}")
     lines += ["", *evaluation_table(summary["evaluations"])]
+    lines += ["", f"  {SCALE_NOTE.format(preset=summary['preset'])}"]
     lines += ["", f"  encoder: {summary['checkpoint']} (registered as {summary['registered_model']})"]
     return "\n".join(lines)
 
@@ -138,6 +142,7 @@ def markdown_table(summary: Mapping[str, Any]) -> str:
              "| task | metric | ViP | random init | difference |", "|---|---|---:|---:|---:|"]
     lines += [f"| {task} | {metric} | {_fmt(vip)} | {_fmt(base)} | {_difference(vip, base)} |"
               for task, metric, vip, base in rows(summary["evaluations"])]
+    lines += ["", SCALE_NOTE.format(preset=summary["preset"]).capitalize() + "."]
     lines += ["", f"Encoder `{summary['checkpoint']}`, registered as `{summary['registered_model']}`.",
               "", "The (ε, δ) guarantee covers the private pre-training data only; evaluation data is public."]
     return "\n".join(lines)

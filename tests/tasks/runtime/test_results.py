@@ -25,6 +25,9 @@ def test_the_results_table_puts_each_evaluation_beside_its_baseline():
     assert row.split() == ["linprobe", "top1", "0.6200", "0.4100", "+0.2100"]
     assert "vip-encoder/3" in table
     assert "  audit: empirical ε ≥ 0.420 from 1000 canaries" in table
+    assert "show that the stages run, not what pre-training gives" in table
+    assert "Show that the stages run" not in results.markdown_table(_summary())
+    assert "show that the stages run" in results.markdown_table(_summary())
 
 
 def test_the_audit_line_prints_the_claimed_epsilon_as_computed_once_labelled():

@@ -1,0 +1,303 @@
+"""The stages of ``make reproduce`` besides the pipeline's own (render and pre-training, reused as they are):
+the offline data sets, the evaluation of every arm of one seed, and the report.
+
+* :func:`write_private_set`: unlabelled object images (``vip_core.data.objects``, the photographs' private
+  region) as webdataset shards of PNGs, the pre-training stage's input. Each private run gets its own set.
+* :func:`write_downstream_set`: the labelled downstream set (the photographs' other region) in ImageFolder
+  layout (``train/<shape>/``, ``val/<shape>/``), the layout the evaluation jobs read.
+* :func:`evaluate_seed`: the converged linear probe (``vip_core.eval.logistic``) on the mean-pooled patch
+  tokens of every block of each arm's encoder, and on raw pixels; whether each test example was right is
+  kept (``correct.npz``) for the paired statistics.
+* :func:`write_report`: the verdicts (``vip_core.reproduce.judge``), the Markdown table and the PNG plot.
+
+Each writes its folder whole (``vip_core.atomic``) with a ``result.json``; called again with the same
+settings it returns that result, with other settings it refuses (one line naming the folder).
+The downstream set is public evaluation data; the private sets are the data the (ε, δ) guarantee covers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from vip_core.atomic import atomic_path, write_json
+from vip_core.data.objects import SHAPES, ObjectStyle, iter_objects
+from vip_core.reproduce import ARMS, ReproduceConfig, judge
+
+log = logging.getLogger(__name__)
+
+RESULT_FILE = "result.json"
+CORRECT_FILE = "correct.npz"
+PLOT_FILE = "reproduce.png"
+TABLE_FILE = "reproduce.md"
+SAMPLES_PER_SHARD = 5000
+FEATURE_BATCH = 256
+
+
+# ---------------------------------------------------------------------------------------------------- data
+
+
+def write_private_set(output: str | Path, count: int, seed: int, style: ObjectStyle = ObjectStyle()) -> dict[str, Any]:
+    """``count`` unlabelled object images of the private region as shards in ``output``; returns a summary."""
+    from PIL import Image
+
+    from vip_core.data.shards import ShardWriter, encode_image
+
+    settings = {"kind": "private-set", "count": count, "seed": seed, "style": asdict(style)}
+    if (done := _finished(output, settings)) is not None:
+        return done
+    index = 0
+    with atomic_path(output) as staging, ShardWriter(staging, samples_per_shard=SAMPLES_PER_SHARD) as writer:
+        for images, _labels in iter_objects(count, seed, "private", style):  # labels dropped: unlabelled data
+            for image in images:  # image: [S, S, 3] uint8
+                writer.write(f"{index:07d}", {"png": encode_image(Image.fromarray(image), "png")})
+                index += 1
+    return _store(output, settings, {"output": str(output), "images": index})
+
+
+def write_downstream_set(output: str | Path, train: int, test: int, seed: int,
+                         style: ObjectStyle = ObjectStyle()) -> dict[str, Any]:
+    """A labelled ImageFolder set of the downstream region: ``train`` then ``test`` images; returns a summary."""
+    from PIL import Image
+
+    settings = {"kind": "downstream-set", "train": train, "test": test, "seed": seed, "style": asdict(style)}
+    if (done := _finished(output, settings)) is not None:
+        return done
+    with atomic_path(output) as staging:
+        for split in ("train", "val"):
+            for shape in SHAPES:
+                (staging / split / shape).mkdir(parents=True)
+        for index, (image, label) in enumerate(_labelled(train + test, seed, style)):
+            split = "train" if index < train else "val"
+            Image.fromarray(image).save(staging / split / SHAPES[label] / f"{index:06d}.png")
+    return _store(output, settings, {"output": str(output), "train": train, "val": test, "classes": len(SHAPES)})
+
+
+def _labelled(count: int, seed: int, style: ObjectStyle):
+    for images, labels in iter_objects(count, seed, "downstream", style):
+        yield from zip(images, labels)
+
+
+def _finished(output: str | Path, settings: dict[str, Any]) -> dict[str, Any] | None:
+    """The stored result of ``output`` made with ``settings``; None when there is none; other settings refused."""
+    result_file = Path(output) / RESULT_FILE
+    if not result_file.is_file():
+        return None
+    stored = json.loads(result_file.read_text())
+    if stored.get("settings") != settings:
+        raise ValueError(f"{output} holds a {stored.get('settings', {}).get('kind', 'folder')} made with other "
+                         "settings: choose another output")
+    return stored["result"]
+
+
+def _store(output: str | Path, settings: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
+    write_json(Path(output) / RESULT_FILE, {"settings": settings, "result": result})
+    return result
+
+
+# ------------------------------------------------------------------------------------------------ evaluate
+
+
+def evaluate_seed(experiment: ReproduceConfig, seed: int | None, checkpoints: Mapping[str, str], data: str | Path,
+                  output: str | Path) -> dict[str, Any]:
+    """Probes every encoder arm of one seed (``seed`` None: the raw pixels, the same for every seed) on the
+    downstream set; writes ``correct.npz`` and ``result.json``.
+
+    Args:
+        experiment: the experiment (model size, the probe's penalty grid and folds).
+        seed: the seed whose random-init weights are the ``random-init`` arm; None: ``raw-pixels`` only.
+        checkpoints: the trained arms' checkpoints, ``{arm: checkpoint folder}``.
+        data: the downstream set (ImageFolder layout).
+        output: the folder for ``correct.npz`` and ``result.json``.
+
+    Returns:
+        ``{"seed", "arms": {arm: {"top1", "l2", "features"}}, "correct": path of correct.npz}``.
+    """
+    from vip_core.eval.datasets import open_classification
+
+    settings = {"kind": "evaluation", "seed": seed, "checkpoints": dict(checkpoints), "data": str(data),
+                "model": experiment.vip.model.model_dump(mode="json"), "grid": list(experiment.probe_l2_grid),
+                "folds": experiment.probe_folds}
+    if (done := _finished(output, settings)) is not None:
+        return done
+    unknown = set(checkpoints) - set(ARMS)
+    if unknown:
+        raise ValueError(f"checkpoints: unknown arms {sorted(unknown)} (known: {', '.join(ARMS)})")
+    dataset = open_classification(data)
+    img_size = experiment.vip.model.img_size
+    train, test = (_images(dataset.split(name, img_size)) for name in ("train", "val"))
+    arms, correct = {}, {}
+    for arm in _arms_of(experiment, seed):
+        features = _arm_features(experiment, arm, seed, checkpoints, train[0], test[0])
+        probe = _probe(experiment, features, train[1], test[1], dataset.num_classes)
+        arms[arm] = {"top1": probe.top1, "l2": probe.l2, "features": features[0].shape[1]}
+        correct[arm] = probe.correct.numpy()
+        log.info("seed %s, %s: top-1 %.4f (l2 %g)", seed, arm, probe.top1, probe.l2)
+    with atomic_path(output) as staging:
+        staging.mkdir()
+        np.savez_compressed(staging / CORRECT_FILE, **correct)
+    return _store(output, settings, {"seed": seed, "arms": arms, "correct": str(Path(output) / CORRECT_FILE)})
+
+
+def _arms_of(experiment: ReproduceConfig, seed: int | None) -> tuple[str, ...]:
+    """The arms one evaluation probes: the encoders of a seed, or (seed None) the raw pixels."""
+    return tuple(arm for arm in experiment.arms if (arm == "raw-pixels") == (seed is None))
+
+
+def _images(dataset) -> tuple[torch.Tensor, torch.Tensor]:
+    """All of a split, ``([N, 3, H, W], [N])``."""
+    from torch.utils.data import DataLoader
+
+    batches = list(DataLoader(dataset, batch_size=FEATURE_BATCH))
+    return torch.cat([b[0] for b in batches]), torch.cat([torch.as_tensor(b[1]) for b in batches])
+
+
+def _arm_features(experiment: ReproduceConfig, arm: str, seed: int, checkpoints: Mapping[str, str],
+                  train: torch.Tensor, test: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The arm's features of both splits: ``[N, depth * D]`` pooled tokens, or ``[N, 3 * H * W]`` pixels."""
+    if arm == "raw-pixels":
+        return train.flatten(1), test.flatten(1)
+    encoder = _encoder(experiment, arm, seed, checkpoints)
+    return _features(encoder, train), _features(encoder, test)
+
+
+def _encoder(experiment: ReproduceConfig, arm: str, seed: int, checkpoints: Mapping[str, str]):
+    """The arm's encoder: the checkpoint's, or the weights ``torch.manual_seed(seed)`` then ``build_mae`` give
+    (exactly what the synthetic and DP-from-random runs of this seed start from)."""
+    from vip_core.models.checkpoint import load_encoder
+    from vip_core.models.mae import build_mae, export_encoder
+
+    if arm != "random-init":
+        if arm not in checkpoints:
+            raise ValueError(f"checkpoints: no checkpoint for arm {arm!r} of seed {seed}")
+        return load_encoder(checkpoints[arm], experiment.vip.model)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return export_encoder(build_mae(experiment.vip.model))
+
+
+def _features(encoder, images: torch.Tensor) -> torch.Tensor:
+    """Mean-pooled patch tokens of every block, concatenated: ``[N, depth * D]``."""
+    from vip_core.eval.features import pooled_block_features
+
+    encoder.eval()
+    with torch.no_grad():
+        return torch.cat([pooled_block_features(encoder, batch, len(encoder.blocks))
+                          for batch in images.split(FEATURE_BATCH)])  # [N, depth * D]
+
+
+def _probe(experiment: ReproduceConfig, features, train_labels, test_labels, num_classes: int):
+    from vip_core.eval.logistic import converged_probe
+
+    return converged_probe((features[0], train_labels), (features[1], test_labels), num_classes,
+                           grid=experiment.probe_l2_grid, folds=experiment.probe_folds)
+
+
+# -------------------------------------------------------------------------------------------------- report
+
+
+def write_report(experiment: ReproduceConfig, evaluations: list[Mapping[str, Any]],
+                 privacy: list[Mapping[str, Any]], output: str | Path) -> dict[str, Any]:
+    """Judges the findings on every seed's evaluation; writes the table (Markdown) and the plot (PNG).
+
+    Args:
+        experiment: the experiment.
+        evaluations: :func:`evaluate_seed`'s results, one per seed.
+        privacy: one entry per private run: ``arm``, ``seed``, ``epsilon``, ``delta``, ``noise_multiplier``,
+            ``steps``, ``dataset_size``, ``sample_rate``.
+        output: the report's folder.
+
+    Returns:
+        ``{"arms", "findings"}`` of :func:`vip_core.reproduce.judge`, with ``seeds``, ``privacy``, ``table``
+        (Markdown), ``table_file`` and ``plot`` (the PNG's path).
+    """
+    correct = _stacked(experiment, evaluations)
+    judged = judge(correct, experiment.bootstrap_resamples)
+    output = Path(output)
+    output.mkdir(parents=True, exist_ok=True)
+    report = {**judged, "seeds": list(experiment.seeds), "privacy": [dict(p) for p in privacy],
+              "test_examples": int(next(iter(correct.values())).shape[1])}
+    table = markdown_table(experiment, report)
+    (output / TABLE_FILE).write_text(table + "\n")
+    plot_results(report, output / PLOT_FILE)
+    return {**report, "table": table, "table_file": str(output / TABLE_FILE), "plot": str(output / PLOT_FILE)}
+
+
+def _stacked(experiment: ReproduceConfig, evaluations: list[Mapping[str, Any]]) -> dict[str, np.ndarray]:
+    """``{arm: [S, N] booleans}`` in the order of ``experiment.seeds`` (the raw pixels' one row repeated)."""
+    by_seed = {e["seed"]: np.load(e["correct"]) for e in evaluations}
+    missing = [seed for seed in (*experiment.seeds, None) if seed not in by_seed]
+    if missing:
+        raise ValueError(f"no evaluation of seeds {missing} (None: the raw pixels)")
+    return {arm: np.stack([by_seed[None if arm == "raw-pixels" else seed][arm] for seed in experiment.seeds])
+            for arm in experiment.arms}
+
+
+def markdown_table(experiment: ReproduceConfig, report: Mapping[str, Any]) -> str:
+    """The arms (mean ± 95 % CI, per seed, difference to random init), the findings and their verdicts."""
+    arms, base = report["arms"], report["arms"]["random-init"]["mean"]
+    lines = [f"Downstream top-1 (converged linear probe on pooled tokens of all blocks; {report['test_examples']} "
+             f"test images, seeds {', '.join(map(str, report['seeds']))}; 95 % CI: paired bootstrap over test "
+             "images, seeds averaged)", "",
+             "| arm | top-1 | 95 % CI | per seed | vs random init |", "|---|---:|---:|---:|---:|"]
+    for arm, value in arms.items():
+        seeds = " / ".join(f"{v:.3f}" for v in value["per_seed"])
+        lines.append(f"| {arm} | {value['mean']:.3f} | [{value['low']:.3f}, {value['high']:.3f}] | {seeds} | "
+                     f"{value['mean'] - base:+.3f} |")
+    lines += ["", "| # | finding (fixed before running) | difference | 95 % CI | margin | verdict |",
+              "|---|---|---:|---:|---:|---|"]
+    for finding in report["findings"]:
+        d = finding["difference"]
+        lines.append(f"| {finding['number']} | {finding['claim']} ({finding['arm']} - {finding['baseline']}) | "
+                     f"{d['mean']:+.3f} | [{d['low']:+.3f}, {d['high']:+.3f}] | {finding['margin']:+.2f} | "
+                     f"**{finding['verdict']}** |")
+    lines += ["", *(_privacy_line(entry) for entry in report["privacy"])]
+    return "\n".join(lines)
+
+
+def _privacy_line(entry: Mapping[str, Any]) -> str:
+    if entry.get("epsilon") is None:
+        return (f"- {entry['arm']}, seed {entry['seed']}: no DP ({entry['steps']} steps on its own "
+                f"{entry['dataset_size']:,} private images; its set's ledger charged ε = ∞)")
+    return (f"- {entry['arm']}, seed {entry['seed']}: ε = {entry['epsilon']:.3f} (δ = {entry['delta']:.1e}, "
+            f"σ = {entry['noise_multiplier']:.3f}, q = {entry['sample_rate']:.4f}, {entry['steps']} steps) on its own "
+            f"{entry['dataset_size']:,} private images")
+
+
+def plot_results(report: Mapping[str, Any], path: str | Path) -> Path:
+    """Two panels: each arm's top-1 with its CI and seeds; each finding's difference with its CI and margin."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms, findings = report["arms"], report["findings"]
+    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6), gridspec_kw={"width_ratios": [3, 2]})
+    names = list(arms)
+    for row, name in enumerate(names):
+        value = arms[name]
+        left.errorbar(value["mean"], row, xerr=[[value["mean"] - value["low"]], [value["high"] - value["mean"]]],
+                      fmt="o", color="C0", capsize=3)
+        left.scatter(value["per_seed"], [row] * len(value["per_seed"]), marker="x", color="C1", zorder=3)
+    left.set_yticks(range(len(names)), names)
+    left.invert_yaxis()
+    left.set_xlabel("downstream top-1 (o: mean, 95 % CI; x: seeds)")
+    for row, finding in enumerate(findings):
+        d = finding["difference"]
+        right.errorbar(d["mean"], row, xerr=[[d["mean"] - d["low"]], [d["high"] - d["mean"]]], fmt="o",
+                       color={"reproduced": "C2", "not reproduced": "C3"}.get(finding["verdict"], "C7"), capsize=3)
+        right.plot([finding["margin"]] * 2, [row - 0.3, row + 0.3], color="k", linewidth=1)
+    right.axvline(0, color="k", linewidth=0.5, linestyle=":")
+    right.set_yticks(range(len(findings)), [f"({f['number']}) {f['verdict']}" for f in findings])
+    right.invert_yaxis()
+    right.set_xlabel("difference of top-1 (| : margin)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=90)
+    plt.close(figure)
+    return Path(path)
