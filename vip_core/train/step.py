@@ -41,6 +41,7 @@ from vip_core.privacy.sampling import PoissonSampler
 from vip_core.train.distributed import (
     all_reduce_gradients, all_reduce_sum, rank_and_world, rank_noise_multiplier, trainable_parameters,
 )
+from vip_core.train.pipeline import InputPipeline, Load
 from vip_core.train.schedule import Schedule
 
 Batch = Callable[[torch.Tensor, RandomStream], Inputs]
@@ -99,11 +100,18 @@ class TrainingStep(abc.ABC):
         self.rank, self.world = rank_and_world()
         self.schedule = schedule
         self.streams = streams
-        self.sampler = PoissonSampler(local_size, sample_rate, streams.sampling)
+        self.sampler: PoissonSampler | InputPipeline = PoissonSampler(local_size, sample_rate, streams.sampling)
         self.physical_batch_size = physical_batch_size
         self.optimizer = dp_adamw(model, lr=schedule.peak_lr, betas=betas, weight_decay=weight_decay,
                                   param_groups=param_groups)
         self.taken = 0
+
+    def prefetch(self, load: Load, *, ahead: int = 2, threads: int = 2, pin_memory: bool = False) -> InputPipeline:
+        """Draws this step's Poisson samples ``ahead`` steps in advance from the same sampler and decodes them
+        with ``load`` in ``threads`` threads (:class:`~vip_core.train.pipeline.InputPipeline`); the sampler
+        state in :meth:`stream_state` stays that of the last step taken."""
+        self.sampler = InputPipeline(self.sampler, load, ahead=ahead, threads=threads, pin_memory=pin_memory)
+        return self.sampler
 
     @property
     def epsilon(self) -> float | None:

@@ -31,7 +31,7 @@ from vip_core.privacy.engine import UnsupportedLayerError, plan_model, privatize
 from vip_core.privacy.ledger import LedgerBook
 from vip_core.privacy.plan import PrivacyPlan, plan_privacy
 from vip_core.privacy.randomness import RandomStream, inclusion_threshold
-from vip_core.train.data import measure_shards
+from vip_core.train.data import measure_shards, normalise
 from vip_core.train.distributed import gather_objects, parameters_fingerprint
 from vip_core.train.loop import run_steps
 from vip_core.train.schedule import Schedule
@@ -230,13 +230,13 @@ def test_rule_2_ray_worker_step_divides_by_the_expected_batch_size(shards):
         gradient = privatized_gradient(run.step, batch, run.loss)
         if len(seen[0][0]) not in (0, config.private.batch_size):
             break
-    local, noise = seen[0]  # local: [k], noise: [k, L]
+    pixels, noise = seen[0]  # pixels: [k, 3, H, W] uint8, noise: [k, L]
 
     def loss_fn(model, inputs):
-        indices, rows = inputs
-        return model(run.partition.images(indices), noise=rows)[0]  # [b]
+        images, rows = inputs
+        return model(normalise(images), noise=rows)[0]  # [b]
 
-    clipped_sum = one_at_a_time_clipped_sum(reference_model, loss_fn, (local, noise), config.privacy.max_grad_norm)
+    clipped_sum = one_at_a_time_clipped_sum(reference_model, loss_fn, (pixels, noise), config.privacy.max_grad_norm)
     scale = float(clipped_sum.abs().max())
     assert torch.allclose(gradient * config.private.batch_size, clipped_sum, rtol=1e-3, atol=1e-5 * scale)
 
@@ -250,13 +250,14 @@ def _two_rank_step(rank: int, init_file: str, loop_config: dict, results: dict) 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
         run = build_worker_run(loop_config, rank, WORLD)
-        batch, seen = recording(run.batch)
+        sampled: list[torch.Tensor] = []
+        batch, seen = recording(lambda local, stream: sampled.append(local) or run.batch(local, stream))
         gradient = privatized_gradient(run.step, batch, run.loss)
         results[rank] = {
             "gradient_std": gradient.std().item(),
             "fingerprints": gather_objects(parameters_fingerprint(run.model)),
             "block": (run.partition.start, run.partition.stop),
-            "sampled": run.partition.global_indices(seen[0][0]).tolist(),
+            "sampled": run.partition.global_indices(sampled[0]).tolist(),
             "first_mask_row": seen[0][1][0].tolist() if len(seen[0][1]) else None,
         }
     finally:
