@@ -46,12 +46,11 @@ from tasks.runtime.environment import state_paths
 from tasks.runtime.names import PRETRAIN_STAGES
 from vip_core.atomic import atomic_path, write_json
 from vip_core.config import TrainingConfig, VipConfig, validate_config
-from vip_core.train.data import ShardPartition, measure_shards, normalise
+from vip_core.train.data import ShardPartition, measure_shards
 from vip_core.train.distributed import (
     all_reduce_max, broadcast_parameters, check_parameters_equal, gather_objects, rank_and_world,
 )
-from vip_core.train.pipeline import InputPipeline
-from vip_core.train.precision import autocast
+from vip_core.train.pipeline import InputPipeline, mae_loss
 from vip_core.train.step import StepReport, TrainingStep
 
 if TYPE_CHECKING:
@@ -269,8 +268,9 @@ def _plan_tags(plan: dict[str, Any]) -> dict[str, Any]:
 
 
 def _worker_environment() -> dict[str, str]:
-    """The variables workers need to find vip's state and the MLflow store, also on another node."""
-    keys = ("VIP_HOME", "MLFLOW_TRACKING_URI")
+    """The variables workers need to find vip's state, the MLflow store and an S3-compatible endpoint, also on
+    another node (credentials stay with the nodes: environment, instance role or credentials file)."""
+    keys = ("VIP_HOME", "MLFLOW_TRACKING_URI", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION")
     return {key: os.environ[key] for key in keys if key in os.environ}
 
 
@@ -413,11 +413,7 @@ class WorkerRun:
         """The MAE's per-sample loss [b] of uint8 images ``inputs[0]`` under masks ``inputs[1]``, normalised on
         the model's device, in the stage's precision."""
         pixels, noise = inputs  # pixels: [b, 3, H, W] uint8, noise: [b, L]
-        device = next(model.parameters()).device
-        imgs = normalise(pixels.to(device, non_blocking=True))  # imgs: [b, 3, H, W]
-        with autocast(self.training.precision, device):
-            losses = model(imgs, noise=noise.to(device))[0]  # [b]
-        return losses.float()
+        return mae_loss(model, pixels, noise, self.training.precision)  # [b]
 
     def metrics(self, report: StepReport | None, rank: int) -> dict[str, float]:
         """The metrics of the step just taken: step, lr, ε (private, rank 0) and, where allowed, loss and images/s."""

@@ -94,7 +94,8 @@ def _finetune(data: Path, evaluation: EvaluationConfig, model: ModelConfig, devi
     val = dataset.split("val", model.img_size)
     settings = FinetuneSettings(epochs=evaluation.finetune_epochs, lr=evaluation.finetune_lr,
                                 batch_size=evaluation.batch_size, layer_decay=evaluation.layer_decay,
-                                weight_decay=evaluation.finetune_weight_decay, seed=evaluation.seed)
+                                weight_decay=evaluation.finetune_weight_decay, seed=evaluation.seed,
+                                precision=evaluation.precision)
     private = evaluation.finetune_privacy
     if not private.enabled:
         def job(encoder: nn.Module) -> dict[str, float]:

@@ -23,10 +23,23 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 import torch
+from torch import nn
 
 from vip_core.privacy.sampling import PoissonSampler
+from vip_core.train.data import normalise
+from vip_core.train.precision import autocast
 
 Load = Callable[[torch.Tensor], torch.Tensor]
+
+
+def mae_loss(model: nn.Module, pixels: torch.Tensor, noise: torch.Tensor, precision: str) -> torch.Tensor:
+    """The MAE's per-sample loss ``[b]`` (float32) of uint8 images ``pixels`` ``[b, 3, H, W]`` under masking noise
+    ``noise`` ``[b, L]``: both moved to the model's device, the images normalised there, the forward in
+    ``precision``."""
+    device = next(model.parameters()).device
+    imgs = normalise(pixels.to(device, non_blocking=True))  # imgs: [b, 3, H, W]
+    with autocast(precision, device):
+        return model(imgs, noise=noise.to(device))[0].float()  # [b]
 
 
 class InputPipeline:
