@@ -58,6 +58,19 @@ def glob(folder: Location, pattern: str) -> list[Location]:
     return sorted(fs.unstrip_protocol(found) for found in fs.glob(f"{inner.rstrip('/')}/{pattern}"))
 
 
+def put(files: list[Path], folder: str) -> list[str]:
+    """Copies local ``files`` into the URL ``folder``, made first if missing (a bucket included, as img2dataset
+    does); an object store writes each file whole, so readers never see half a file. Returns their URLs."""
+    fs, inner = _filesystem(folder)
+    fs.makedirs(inner, exist_ok=True)
+    targets = []
+    for local in files:
+        target = f"{inner.rstrip('/')}/{local.name}"
+        fs.put_file(str(local), target)
+        targets.append(fs.unstrip_protocol(target))
+    return targets
+
+
 def name(path: Location) -> str:
     """The file name: the last part of the path or URL."""
     return str(path).rstrip("/").rpartition("/")[2]

@@ -17,9 +17,10 @@ Pre-training (the Ray worker), DP fine-tuning and the audit all call it. :class:
 variant of the same step (the synthetic stage): the mean loss's gradient over the realised batch of every
 rank, streams keyed by the public config seed, so a public run is deterministic for its config.
 
-A step asks two functions of its caller: ``batch(local_indices, sample_stream) -> inputs`` (light: indices
-and per-sample randomness; images are loaded by the loss one microbatch at a time) and
-``loss_fn(model, inputs) -> [b]`` per-sample losses.
+A step asks two functions of its caller: ``batch(local_indices, sample_stream) -> inputs`` (the sample's
+data, e.g. the uint8 images an :class:`~vip_core.train.pipeline.InputPipeline` decoded ahead (see
+:meth:`TrainingStep.prefetch`), or just the indices, and its per-sample randomness) and
+``loss_fn(model, inputs) -> [b]`` per-sample losses, called one microbatch at a time.
 """
 
 from __future__ import annotations

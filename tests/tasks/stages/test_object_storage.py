@@ -1,5 +1,5 @@
-"""Pre-training from shards in object storage: a real S3-compatible server (moto's server mode) on
-127.0.0.1, the shards uploaded to a bucket, and the private stage run from ``s3://`` on a real local Ray."""
+"""Shards in object storage: a real S3-compatible server (moto's server mode) on 127.0.0.1; ingestion writes
+its clean shards into a bucket, and the private stage pre-trains from ``s3://`` on a real local Ray."""
 
 from __future__ import annotations
 
@@ -11,8 +11,11 @@ import time
 
 import pytest
 
+from tasks.fixtures.web import SampleWeb, distinct_photo_indices, laion_row, photo_path, write_url_list
 from tasks.runtime.ray_session import ray_session
+from tasks.stages.ingest import run_ingest
 from tasks.stages.pretrain import run_pretrain
+from tests.tasks.stages.test_ingest import _config as ingest_config
 from tests.tasks.stages.test_pretrain import IMAGES, _private_config, _write_shards
 from vip_core.config import with_overrides
 from vip_core.train.data import measure_shards
@@ -79,3 +82,18 @@ def test_the_private_stage_pre_trains_from_s3_shards(bucket_shards, tmp_path):
         result = run_pretrain(config, "private", url, tmp_path / "out")
     assert result["steps"] == 2 and result["dataset_size"] == IMAGES and result["epsilon"] > 0
     assert result["workers"] == 2
+
+
+def test_ingestion_writes_its_clean_shards_manifest_and_stats_into_a_bucket(s3_server, tmp_path):
+    import s3fs
+
+    web = SampleWeb(tmp_path / "web")
+    try:
+        rows = [laion_row(web.url + photo_path(i), f"photograph {i}") for i in distinct_photo_indices(20)]
+        stats = run_ingest(ingest_config(), write_url_list(tmp_path / "laion.parquet", rows), "s3://vip-ingest/web")
+    finally:
+        web.stop()
+    assert stats["output"] == "s3://vip-ingest/web" and stats["kept"] == 20
+    fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_server})
+    assert {"manifest.parquet", "stats.json"} <= {path.rpartition("/")[2] for path in fs.ls("vip-ingest/web")}
+    assert sum(measure_shards("s3://vip-ingest/web").counts) == 20
