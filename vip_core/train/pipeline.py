@@ -122,9 +122,9 @@ class InputPipeline:
         self._queue.append((local, self.sampler.state_dict(), self._submit(local)))
 
     def _submit(self, local: torch.Tensor) -> list[Future]:
+        """One decoding job per thread; an empty sample is one empty chunk."""
         size = max(1, math.ceil(len(local) / self.threads))
-        return [self._pool.submit(self._decode, chunk) for chunk in torch.split(local, size)] or [
-            self._pool.submit(self._decode, local)]
+        return [self._pool.submit(self._decode, chunk) for chunk in torch.split(local, size)]
 
     def _decode(self, local: torch.Tensor) -> torch.Tensor:
         pixels = self.load(local)  # pixels: [c, 3, H, W] uint8

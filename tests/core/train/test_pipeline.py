@@ -96,6 +96,13 @@ def test_decoding_runs_ahead_in_threads_and_at_most_ahead_steps_wait():
     assert threads and all(name.startswith("vip-input") for name in threads)
 
 
+def test_an_empty_sample_gives_no_images():
+    pipeline = InputPipeline(PoissonSampler(10, 2.0**-40, RandomStream(1, 0, "sampling")), fake_pixels)
+    local = pipeline.sample()
+    assert len(local) == 0 and pipeline.pixels(local).shape == (0, 3, 2, 2)
+    pipeline.close()
+
+
 def test_pixels_of_another_sample_is_a_clear_error():
     pipeline = InputPipeline(sampler(), fake_pixels)
     pipeline.sample()
