@@ -1,7 +1,8 @@
 """Which part of the config each stage depends on: the stage's output folder and its Prefect cache key.
 
 A stage's cache key is a hash of the stage's name, its slice of the config (``data.render`` for render;
-``model``, ``private`` and ``privacy`` for the private pre-training), its other parameters, and a
+``model``, ``private`` and ``privacy`` for the private pre-training; for an evaluation job, the model and
+the ``evaluation`` fields that job reads), its other parameters, and a
 fingerprint of its input paths (the path and the size and modification time of the files at the top of
 a folder: shards, ``checkpoint.pt``, the class folders of an ImageFolder). Running a flow again with the
 same config and unchanged inputs finds every finished stage in Prefect's result store and skips it; a
@@ -23,7 +24,7 @@ from pydantic import BaseModel
 
 from tasks.runtime.environment import state_paths
 from tasks.runtime.folders import digest, fingerprint
-from vip_core.config import VipConfig
+from vip_core.config import EVAL_TASK_FIELDS, VipConfig
 
 CACHE_VERSION = 2
 
@@ -33,11 +34,11 @@ CONFIG_SLICES: dict[str, tuple[str, ...]] = {
     "render": ("data.render",),
     "pretrain-syn": ("model", "synthetic", "data.loader_workers"),
     "pretrain-dp": ("model", "private", "privacy", "data.loader_workers"),
-    "eval": ("model", "evaluation"),
     "audit": ("model", "private", "privacy"),
+    # each evaluation job: the evaluation fields it reads, so a change to one job's settings re-runs it alone
+    **{f"eval-{task}": ("model", *(f"evaluation.{name}" for name in fields))
+       for task, fields in EVAL_TASK_FIELDS.items()},
 }
-# Fields left out of a slice: the list of evaluation tasks does not change what one task computes.
-EXCLUDED_FIELDS = {"evaluation": {"tasks"}}
 # Parameters that name inputs: their files are fingerprinted. Outputs are keyed by path only.
 INPUT_PARAMETERS = ("url_list", "eval_images", "shaders", "data", "init_checkpoint", "checkpoint")
 IGNORED_PARAMETERS = ("config", "parent_run_id")
@@ -45,7 +46,7 @@ IGNORED_PARAMETERS = ("config", "parent_run_id")
 
 def config_slice(config: VipConfig, stage: str) -> dict[str, Any]:
     """The JSON of the fields ``stage`` depends on, keyed by dotted path."""
-    return {path: _dump(_field(config, path), path) for path in CONFIG_SLICES[stage]}
+    return {path: _dump(_field(config, path)) for path in CONFIG_SLICES[stage]}
 
 
 def slice_digest(config: VipConfig, stage: str, inputs: tuple[str, ...] = (), length: int = 8) -> str:
@@ -77,14 +78,20 @@ def stage_folders(config: VipConfig, workdir: str | Path, url_list: str, eval_da
     return folders
 
 
-def eval_folder(config: VipConfig, workdir: str | Path, checkpoint: str, eval_data: str) -> str:
-    """The evaluation's folder (one sub-folder per task) for this checkpoint and evaluation data."""
-    return stage_folder(workdir, "eval", config, inputs=(checkpoint, eval_data))
+def eval_folder(config: VipConfig, workdir: str | Path, task: str, checkpoint: str, eval_data: str) -> str:
+    """``workdir/eval-<task>-<digest>``: the folder of one evaluation job, named after the settings it reads, the
+    checkpoint and the evaluation data."""
+    return stage_folder(workdir, f"eval-{task}", config, inputs=(checkpoint, eval_data))
 
 
 def audit_folder(config: VipConfig, workdir: str | Path, canaries: int) -> str:
     """The audit's folder for this config (its δ included) and number of canaries."""
     return f"{stage_folder(workdir, 'audit', config)}-m{canaries}"
+
+
+def eval_stage(parameters: dict[str, Any]) -> str:
+    """``eval-<task>``: the stage of the evaluation task run with these parameters."""
+    return f"eval-{parameters['task']}"
 
 
 def stage_cache_key(stage: str | Callable[[dict[str, Any]], str]) -> Callable[[Any, dict[str, Any]], str]:
@@ -119,10 +126,8 @@ def _field(config: VipConfig, dotted: str) -> Any:
     return value
 
 
-def _dump(value: Any, path: str) -> Any:
-    if isinstance(value, BaseModel):
-        return value.model_dump(mode="json", exclude=EXCLUDED_FIELDS.get(path))
-    return value
+def _dump(value: Any) -> Any:
+    return value.model_dump(mode="json") if isinstance(value, BaseModel) else value
 
 
 def _jsonable(value: Any) -> Any:

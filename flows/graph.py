@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
-from prefect import unmapped
 from prefect.futures import PrefectFuture
+from prefect.utilities.annotations import quote
 
 from flows.caching import audit_folder, default_workdir, eval_folder, stage_folders
-from flows.stages import audit, evaluate, flow_tracking, ingest, pretrain, render
+from flows.stages import audit, evaluate, flow_tracking, ingest, pretrain, register_encoder, render
 from tasks.runtime import tracking
 from tasks.runtime.environment import configure_environment
 from tasks.runtime.folders import RESULT_FILE
@@ -59,34 +59,41 @@ class StageGraph(contextlib.ExitStack):
     def ingest(self) -> PrefectFuture:
         """Web images from the url list: downloaded, filtered, deduplicated, decontaminated."""
         folder = self.folders["ingest"]
-        return self._once("ingest", lambda: _fresh_if_missing(ingest, folder).submit(
-            self.config, self.url_list, folder, self.eval_data, self.parent_run_id))
+        return self._once("ingest", lambda: _submit(
+            _fresh_if_missing(ingest, folder), self.config, self.url_list, folder, self.eval_data, self.parent_run_id))
 
     def render(self) -> PrefectFuture:
         """Synthetic images from procedural shader programs."""
         folder = self.folders["render"]
-        return self._once("render", lambda: _fresh_if_missing(render, folder).submit(
-            self.config, folder, self.parent_run_id))
+        return self._once("render", lambda: _submit(
+            _fresh_if_missing(render, folder), self.config, folder, self.parent_run_id))
 
     def pretrain_syn(self) -> PrefectFuture:
         """MAE pre-training on the rendered images, without privacy."""
         synthetic, folder = self.render(), self.folders["pretrain-syn"]
-        return self._once("pretrain-syn", lambda: self._pretrain(folder).submit(
-            self.config, "synthetic", self.folders["render"], folder, None, self.parent_run_id, wait_for=[synthetic]))
+        return self._once("pretrain-syn", lambda: _submit(
+            self._pretrain(folder), self.config, "synthetic", self.folders["render"], folder, None,
+            self.parent_run_id, upstream=[synthetic]))
 
     def pretrain_dp(self) -> PrefectFuture:
         """Private MAE pre-training on the web images with DP-AdamW, from the synthetic stage's weights."""
         web, warm, folder = self.ingest(), self.pretrain_syn(), self.folders["pretrain-dp"]
-        return self._once("pretrain-dp", lambda: self._pretrain(folder).submit(
-            self.config, "private", self.folders["ingest"], folder, warm.result()["checkpoint"], self.parent_run_id,
-            wait_for=[web]))
+        return self._once("pretrain-dp", lambda: _submit(
+            self._pretrain(folder), self.config, "private", self.folders["ingest"], folder,
+            warm.result()["checkpoint"], self.parent_run_id, upstream=[web, warm]))
 
     def audit(self, canaries: int, delta: float) -> PrefectFuture:
         """The privacy audit of the private recipe at δ = ``delta``, with ``canaries`` canaries."""
         audited = with_overrides(self.config, {"privacy.delta": delta})
         folder = self.folders["audit"] = audit_folder(audited, self.workdir, canaries)
-        return self._once("audit", lambda: _fresh_if_missing(audit, folder).submit(
-            audited, canaries, folder, self.parent_run_id))
+        return self._once("audit", lambda: _submit(
+            _fresh_if_missing(audit, folder), audited, canaries, folder, self.parent_run_id))
+
+    def register_encoder(self) -> PrefectFuture:
+        """The private stage's encoder registered in the MLflow model registry (``vip-encoder``)."""
+        trained = self.pretrain_dp()
+        return self._once("register-encoder", lambda: _submit(
+            register_encoder, trained.result()["checkpoint"], self.parent_run_id, upstream=[trained]))
 
     def evaluations(self, checkpoint: str | None = None) -> dict[str, dict[str, Any]]:
         """Every ``config.evaluation.tasks`` job on the encoder of ``checkpoint`` (default: the private
@@ -95,15 +102,14 @@ class StageGraph(contextlib.ExitStack):
         Returns:
             ``{task: metrics}`` with ``metrics["result"]`` and ``metrics["baseline"]``.
         """
+        upstream = [] if checkpoint else [self.pretrain_dp()]
         checkpoint = checkpoint or self.pretrain_dp().result()["checkpoint"]
         tasks = list(self.config.evaluation.tasks)
-        folder = Path(eval_folder(self.config, self.workdir, checkpoint, self.eval_data))
-        self.folders["eval"] = str(folder)
-        futures = evaluate.map(
-            unmapped(self.config), tasks, unmapped(checkpoint),
-            [str(Path(self.eval_data) / EVAL_DATA_FOLDERS[task]) for task in tasks],
-            [str(folder / task) for task in tasks], unmapped(self.parent_run_id),
-        )
+        for task in tasks:
+            self.folders[f"eval-{task}"] = eval_folder(self.config, self.workdir, task, checkpoint, self.eval_data)
+        futures = [_submit(evaluate, self.config, task, checkpoint, str(Path(self.eval_data) / EVAL_DATA_FOLDERS[task]),
+                           self.folders[f"eval-{task}"], self.parent_run_id, upstream=upstream)
+                   for task in tasks]
         return {task: future.result() for task, future in zip(tasks, futures)}
 
     def _once(self, stage: str, submit: Callable[[], PrefectFuture]) -> PrefectFuture:
@@ -149,6 +155,16 @@ def _local_ray(config: VipConfig) -> Iterator[dict]:
     stages = (config.synthetic, config.private)
     with ray_session(max(s.num_workers for s in stages), max(s.cpus_per_worker for s in stages)) as ray_info:
         yield ray_info
+
+
+def _submit(stage_task: Any, *parameters: Any, upstream: Sequence[PrefectFuture] = ()) -> PrefectFuture:
+    """``stage_task`` submitted with ``parameters``, after ``upstream``: its edges in the Prefect run graph.
+
+    The parameters are quoted: Prefect otherwise links a parameter to any earlier task whose result held the same
+    object (by ``id``; PrefectHQ/prefect#20558), and every evaluation job returns the checkpoint path it was given,
+    which drew edges between evaluation jobs and into register-encoder that are no data dependency.
+    """
+    return stage_task.submit(*(quote(parameter) for parameter in parameters), wait_for=list(upstream))
 
 
 def _fresh_if_missing(stage_task: Any, output: str) -> Any:

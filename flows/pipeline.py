@@ -20,7 +20,6 @@ from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.graph import AUDIT_CANARIES, AUDIT_DELTA, EVAL_THREADS, stage_graph
-from flows.stages import register_encoder
 from tasks.runtime import results, tracking
 from vip_core.config import VipConfig, tiny
 
@@ -45,14 +44,14 @@ def vip_pipeline(
             so a small one rather than 1/(2N) of a small data set).
     """
     with stage_graph(FLOW_NAME, config, url_list=url_list, eval_data=eval_data, workdir=workdir) as graph:
-        checkpoint = graph.pretrain_dp().result()["checkpoint"]
+        graph.pretrain_dp().wait()  # the audit starts after the training stages, beside the evaluations
         audited = graph.audit(audit_canaries, audit_delta) if audit_canaries else None
-        evaluations = graph.evaluations(checkpoint)
-        registered = register_encoder(checkpoint, graph.parent_run_id)
+        registered = graph.register_encoder()
+        evaluations = graph.evaluations()
         summary = results.summarize(
             config=config, flow_run_id=str(flow_run.id), mlflow_run_id=graph.parent_run_id, workdir=graph.workdir,
             ingest=graph.ingest().result(), render=graph.render().result(), pretrain_syn=graph.pretrain_syn().result(),
-            pretrain_dp=graph.pretrain_dp().result(), evaluations=evaluations, registered_model=registered,
+            pretrain_dp=graph.pretrain_dp().result(), evaluations=evaluations, registered_model=registered.result(),
             audit=audited.result() if audited else None,
         )
         tracking.log_metrics(graph.parent_run_id, results.summary_metrics(summary), step=summary["privacy"]["steps"])

@@ -17,8 +17,9 @@ from typing import Any, Callable, Iterator
 from prefect import task
 from prefect.artifacts import create_link_artifact
 from prefect.runtime import flow_run, task_run
+from prefect.utilities.annotations import quote
 
-from flows.caching import stage_cache_key
+from flows.caching import eval_stage, stage_cache_key
 from tasks.runtime.folders import digest, fingerprint
 from tasks.runtime import tracking
 from tasks.runtime.names import PRETRAIN_STAGES
@@ -68,8 +69,10 @@ def in_fresh_process(function: Callable[..., dict], *args: Any) -> dict:
 
 
 def _pretrain_stage_name() -> str:
-    """``pretrain-syn`` or ``pretrain-dp``: the run name of a pre-training task run."""
-    return PRETRAIN_STAGES[task_run.parameters["stage"]]
+    """``pretrain-syn`` or ``pretrain-dp``: the run name of a pre-training task run (whose parameters the graph
+    quotes, :func:`flows.graph._submit`)."""
+    stage = task_run.parameters["stage"]
+    return PRETRAIN_STAGES[stage.unquote() if isinstance(stage, quote) else stage]
 
 
 @task(
@@ -96,7 +99,7 @@ def pretrain(
     return result
 
 
-@task(name="eval", task_run_name="eval-{task}", **_options("eval", retries=1, retry_delay_seconds=5))
+@task(name="eval", task_run_name="eval-{task}", **_options(eval_stage, retries=1, retry_delay_seconds=5))
 def evaluate(config: VipConfig, task: str, checkpoint: str, data: str, output: str, parent_run_id: str | None) -> dict:
     """One downstream job on the encoder of ``checkpoint``, beside the same job on a random-init encoder.
 

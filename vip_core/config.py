@@ -22,6 +22,18 @@ EVAL_DATA_FOLDERS: dict[str, str] = {
     "linprobe": "classification", "finetune": "classification", "fewshot": "classification",
     "coco": "coco", "ade20k": "ade20k",
 }
+# The ``evaluation`` fields each task reads (besides the model): its cache key and its folder hold these only,
+# so a change to one task's settings re-runs that task alone.
+EVAL_TASK_FIELDS: dict[str, tuple[str, ...]] = {
+    "linprobe": ("linprobe_last_blocks", "linprobe_epochs", "linprobe_lr", "linprobe_optimizer", "batch_size", "seed"),
+    "finetune": ("finetune_epochs", "finetune_lr", "finetune_weight_decay", "finetune_privacy", "layer_decay",
+                 "batch_size", "seed"),
+    "fewshot": ("linprobe_last_blocks", "fewshot_shots", "fewshot_seeds", "fewshot_l2", "batch_size", "seed"),
+    "coco": ("detection_epochs", "detection_img_size", "detection_channels", "detection_lr", "layer_decay",
+             "batch_size", "seed"),
+    "ade20k": ("segmentation_epochs", "segmentation_img_size", "segmentation_channels", "segmentation_lr",
+               "segmentation_num_classes", "layer_decay", "batch_size", "seed"),
+}
 
 
 class _Frozen(BaseModel):

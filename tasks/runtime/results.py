@@ -92,13 +92,14 @@ def privacy_line(summary: Mapping[str, Any]) -> str:
 
 
 def audit_line(summary: Mapping[str, Any]) -> str | None:
-    """``empirical ε ≥ 0.42 from 1000 canaries (the accountant claims 8)``, or None without an audit."""
+    """``empirical ε ≥ 0.420 from 1000 canaries, ... (the recipe's accountant claims 7.997)``, or None without an
+    audit; the claimed ε is printed as the privacy line prints the spent one."""
     audit = summary.get("audit")
     if not audit:
         return None
     claimed = audit.get("epsilon_claimed")
-    claim = "" if claimed is None else f" (the recipe's accountant claims {claimed:.3g})"
-    return (f"audit: empirical ε ≥ {audit['epsilon_lower_bound']:.3f} from {audit['canaries']} canaries, "
+    claim = "" if claimed is None else f" (the recipe's accountant claims {claimed:.3f})"
+    return (f"empirical ε ≥ {audit['epsilon_lower_bound']:.3f} from {audit['canaries']} canaries, "
             f"{audit['correct_guesses']}/{audit['guesses']} guesses right{claim}")
 
 
@@ -106,7 +107,7 @@ def text_table(summary: Mapping[str, Any]) -> str:
     """The table printed at the end of ``make run``."""
     lines = [f"ViP results, preset {summary['preset']}", f"  privacy: {privacy_line(summary)}"]
     if audit_line(summary):
-        lines.append(f"  {audit_line(summary)}")
+        lines.append(f"  audit: {audit_line(summary)}")
     lines += ["", *evaluation_table(summary["evaluations"])]
     lines += ["", f"  encoder: {summary['checkpoint']} (registered as {summary['registered_model']})"]
     return "\n".join(lines)
@@ -115,7 +116,7 @@ def text_table(summary: Mapping[str, Any]) -> str:
 def evaluation_table(evaluations: Mapping[str, Mapping[str, Any]]) -> list[str]:
     """Each evaluation metric beside its random-init baseline and the difference, as aligned text lines."""
     header = ("task", "metric", "ViP", "random init", "difference")
-    body = [(task, metric, _fmt(vip), _fmt(base), _fmt(None if vip is None or base is None else vip - base, True))
+    body = [(task, metric, _fmt(vip), _fmt(base), _difference(vip, base))
             for task, metric, vip, base in rows(evaluations)]
     widths = [max(len(str(row[i])) for row in [header, *body]) for i in range(len(header))]
     return ["  " + "  ".join(str(cell).ljust(w) if i < 2 else str(cell).rjust(w)
@@ -134,8 +135,8 @@ def markdown_table(summary: Mapping[str, Any]) -> str:
     """The same table as Markdown, for the flow run's artifact in the Prefect UI."""
     lines = [f"# ViP results, preset {summary['preset']}", "", f"**Privacy:** {privacy_line(summary)}", "",
              *([f"**Audit:** {audit_line(summary)}", ""] if audit_line(summary) else []),
-             "| task | metric | ViP | random init |", "|---|---|---:|---:|"]
-    lines += [f"| {task} | {metric} | {_fmt(vip)} | {_fmt(base)} |"
+             "| task | metric | ViP | random init | difference |", "|---|---|---:|---:|---:|"]
+    lines += [f"| {task} | {metric} | {_fmt(vip)} | {_fmt(base)} | {_difference(vip, base)} |"
               for task, metric, vip, base in rows(summary["evaluations"])]
     lines += ["", f"Encoder `{summary['checkpoint']}`, registered as `{summary['registered_model']}`.",
               "", "The (ε, δ) guarantee covers the private pre-training data only; evaluation data is public."]
@@ -148,6 +149,10 @@ def _numbers(result: Mapping[str, Any]) -> dict[str, float]:
 
 def _is_plain_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _difference(vip: float | None, baseline: float | None) -> str:
+    return _fmt(None if vip is None or baseline is None else vip - baseline, signed=True)
 
 
 def _fmt(value: float | None, signed: bool = False) -> str:

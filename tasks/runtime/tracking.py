@@ -18,7 +18,9 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import tempfile
 import time
+import importlib.metadata
 from numbers import Real
 from pathlib import Path
 from typing import Any, Iterator, Mapping
@@ -40,6 +42,9 @@ PARAMS_PER_BATCH = 100
 EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}
 DEFAULT_UI_URL = "http://127.0.0.1:5000"
 LOCAL_SCHEMES = ("sqlite", "file", "postgresql", "mysql", "mssql")
+# The published ledger's entries, as tags of a registered encoder's version.
+LEDGER_TAGS = {"epsilon": "epsilon", "delta": "delta", "noise_multiplier": "sigma", "sample_rate": "q", "steps": "steps",
+               "accountant": "accountant"}
 
 
 def client() -> MlflowClient:
@@ -134,12 +139,13 @@ def stage_run(parent_run_id: str | None, stage: str, config: VipConfig, name: st
 
 
 @contextlib.contextmanager
-def optional_stage_run(parent_run_id: str | None, stage: str, config: VipConfig) -> Iterator[str | None]:
+def optional_stage_run(parent_run_id: str | None, stage: str, config: VipConfig,
+                       name: str | None = None) -> Iterator[str | None]:
     """:func:`stage_run` under ``parent_run_id``, or None without a parent (the stage then opens its own run)."""
     if parent_run_id is None:
         yield None
         return
-    with stage_run(parent_run_id, stage, config) as run_id:
+    with stage_run(parent_run_id, stage, config, name=name) as run_id:
         yield run_id
 
 
@@ -216,29 +222,79 @@ def set_tags(run_id: str, tags: Mapping[str, str]) -> None:
 
 
 def register_encoder(run_id: str, checkpoint: str | Path, name: str = ENCODER_MODEL_NAME) -> str:
-    """Logs the final checkpoint under ``encoder/`` of the run and registers it as a version of ``name``.
+    """Logs the checkpoint's encoder as an MLflow PyTorch model under ``encoder/`` of the run and registers it as
+    a version of ``name``.
 
-    The version's files load with ``vip_core.models.checkpoint.load_encoder(folder)`` after
-    ``mlflow.artifacts.download_artifacts("models:/<name>/<version>")``.
+    ``mlflow.pytorch.load_model("models:/<name>/<version>")`` loads it with torch alone (no vip, no timm): the
+    encoder exported by ``torch.export`` (MLflow's ``pt2`` format), a module that turns ImageNet-normalised
+    images ``[N, 3, S, S]`` into the pooled class-token features ``[N, D]`` (the signature; any N). Only released values go with it: the
+    MLmodel metadata holds the checkpoint's allow-listed entries besides the weights (config, step, ledger:
+    ``PUBLISHED_ENTRIES``), and the version's tags are the ledger's ε, δ, σ, q, steps and accountant.
 
     Returns:
         The new version number.
     """
-    checkpoint = Path(checkpoint)
-    checkpoint_file = checkpoint / "checkpoint.pt" if checkpoint.is_dir() else checkpoint
-    if not checkpoint_file.is_file():
-        raise FileNotFoundError(f"checkpoint: no such file {checkpoint_file}")
-    mlflow_client = client()
-    mlflow_client.log_artifact(run_id, str(checkpoint_file), "encoder")
+    import mlflow.pytorch
+
+    from vip_core.models.checkpoint import checkpoint_file, load_checkpoint, load_encoder
+
+    file = checkpoint_file(checkpoint)
+    if not file.is_file():
+        raise FileNotFoundError(f"checkpoint: no such file {file}")
+    published = published_entries(load_checkpoint(file))
+    encoder = load_encoder(file).eval()
+    images = _example_images(encoder)
+    with tempfile.TemporaryDirectory() as folder:
+        model = Path(folder) / "encoder"
+        mlflow.pytorch.save_model(encoder, str(model), serialization_format="pt2", input_example=images,
+                                  signature=_encoder_signature(encoder, images), metadata=published,
+                                  pip_requirements=_requirements("torch"))
+        client().log_artifacts(run_id, str(model), "encoder")
     with contextlib.suppress(MlflowException):
-        mlflow_client.create_registered_model(
-            name, description="ViP encoders: MAE ViT checkpoints pre-trained with DP-AdamW (checkpoint.pt)."
-        )
-    version = mlflow_client.create_model_version(
-        name, source=f"runs:/{run_id}/encoder", run_id=run_id,
-        description=f"checkpoint {checkpoint_file.name} of run {run_id}",
+        client().create_registered_model(
+            name, description="ViP encoders: MAE ViT encoders pre-trained with DP-AdamW (mlflow.pytorch models).")
+    version = client().create_model_version(
+        name, source=f"runs:/{run_id}/encoder", run_id=run_id, tags=ledger_tags(published.get("ledger")),
+        description=f"the encoder of {file} (run {run_id})",
     )
     return str(version.version)
+
+
+def published_entries(payload: Mapping[str, Any]) -> dict[str, Any]:
+    """The checkpoint's released entries other than the weights (``PUBLISHED_ENTRIES``: config, step, ledger);
+    anything else a checkpoint holds (a training checkpoint's optimiser, loss or streams) is left out."""
+    from vip_core.models.checkpoint import PUBLISHED_ENTRIES
+
+    return {key: payload[key] for key in PUBLISHED_ENTRIES if key != "model" and key in payload}
+
+
+def ledger_tags(ledger: Mapping[str, Any] | None) -> dict[str, str]:
+    """``privacy.epsilon``, ``privacy.delta``, ``privacy.sigma``, ``privacy.q``, ``privacy.steps``,
+    ``privacy.accountant`` of a published ledger; none without one (a model trained without privacy)."""
+    if ledger is None:
+        return {}
+    return {f"privacy.{tag}": str(ledger[key]) for key, tag in LEDGER_TAGS.items()}
+
+
+def _example_images(encoder: Any) -> Any:
+    """Two blank images ``[2, 3, S, S]`` float32 (two: the exported batch size stays free)."""
+    import numpy as np
+
+    return np.zeros((2, 3, *encoder.patch_embed.img_size), dtype=np.float32)
+
+
+def _encoder_signature(encoder: Any, images: Any) -> Any:
+    """Images ``[-1, 3, S, S]`` float32 to features ``[-1, D]`` float32."""
+    import torch
+    from mlflow.models import infer_signature
+
+    with torch.no_grad():
+        return infer_signature(images, encoder(torch.from_numpy(images)).numpy())
+
+
+def _requirements(*packages: str) -> list[str]:
+    """``package==version`` of the installed packages (a local build's ``+cu130`` left out)."""
+    return [f"{package}=={importlib.metadata.version(package).split('+')[0]}" for package in packages]
 
 
 def ui_base_url() -> str:

@@ -3,7 +3,7 @@ initialised encoder of the same size (the baseline beside the result).
 
 ``run_evaluation`` writes ``metrics.json`` in ``output``: the job's metrics for the checkpoint's encoder
 (``result``) and for the random-init encoder (``baseline``), side by side. With an MLflow run id it logs a
-child run of that run (tag ``mlflow.parentRunId``) with ``eval/<task>/<metric>`` for the result and
+child run of that run (tag ``mlflow.parentRunId``), open from before the job starts until after it ends, with ``eval/<task>/<metric>`` for the result and
 ``eval/<task>/<metric>_random_init`` for the baseline, and ``metrics.json`` as an artifact. Running it
 again with the same task, settings, checkpoint and data reuses the stored metrics instead of recomputing
 (and still logs them to MLflow when a parent run is given).
@@ -18,12 +18,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
 from torch import nn
 
 from tasks.runtime.environment import state_paths
 from tasks.runtime.folders import StageFolder, fingerprint
-from vip_core.config import ModelConfig, VipConfig, validate_config
+from vip_core.config import EVAL_TASK_FIELDS, ModelConfig, VipConfig, validate_config
 
 logger = logging.getLogger(__name__)
 
@@ -52,16 +51,19 @@ def run_evaluation(config: VipConfig, task: str, checkpoint: str | None, data: s
         FileNotFoundError: a missing checkpoint or dataset path.
         ValueError: an unknown task, malformed data or a bad setting (one line naming it).
     """
+    from tasks.runtime import tracking
+
     model_config = _model_config(config, checkpoint)
     folder = StageFolder(output, f"eval/{task}", _fingerprint(config, model_config, task, checkpoint, data),
                          result_name=METRICS_FILE)
-    metrics = folder.stored_result()
-    if metrics is None:
-        metrics = folder.store_result(_evaluate(config, model_config, task, checkpoint, data, folder))
-    else:
-        logger.info("%s: metrics for these inputs already in %s", task, folder.result_file)
-    if mlflow_run_id:
-        log_child_run(mlflow_run_id, config, task, metrics, folder.result_file)
+    with tracking.optional_stage_run(mlflow_run_id, f"eval/{task}", config, name=f"eval-{task}") as run_id:
+        metrics = folder.stored_result()
+        if metrics is None:
+            metrics = folder.store_result(_evaluate(config, model_config, task, checkpoint, data, folder))
+        else:
+            logger.info("%s: metrics for these inputs already in %s", task, folder.result_file)
+        if run_id:
+            log_evaluation(run_id, task, metrics, folder.result_file)
     return metrics
 
 
@@ -108,23 +110,29 @@ def _model_config(config: VipConfig, checkpoint: str | None) -> ModelConfig:
 
 def _encoders(config: VipConfig, model_config: ModelConfig, checkpoint: str | None) -> dict[str, Callable[[], nn.Module]]:
     """``result`` (the checkpoint's encoder, or a random-init one without a checkpoint) and ``baseline``."""
+    from vip_core.eval.seeding import job_seed, seeded
     from vip_core.models import build_encoder, load_encoder
 
     def random_init() -> nn.Module:
-        torch.manual_seed(config.evaluation.seed + 1)
-        return build_encoder(model_config)
+        with seeded(job_seed(config.evaluation.seed, "random-init encoder")):  # the same for every job
+            return build_encoder(model_config)
+
+    def trained() -> nn.Module:
+        with seeded(job_seed(config.evaluation.seed, "checkpoint encoder")):  # built, then the weights loaded
+            return load_encoder(checkpoint, model_config)
 
     if checkpoint is None:
         return {"result": random_init}
-    return {"result": lambda: load_encoder(checkpoint, model_config), "baseline": random_init}
+    return {"result": trained, "baseline": random_init}
 
 
 def _fingerprint(config: VipConfig, model_config: ModelConfig, task: str, checkpoint: str | None,
                  data: str) -> dict[str, Any]:
-    """What decides a job's metrics: the task, its settings, the encoder and the data's path."""
+    """What decides a job's metrics: the task, the settings it reads, the encoder and the data's path."""
     from vip_core.models.checkpoint import checkpoint_file
 
-    return {"task": task, "evaluation": config.evaluation.model_dump(mode="json", exclude={"tasks"}),
+    fields = set(EVAL_TASK_FIELDS.get(task, ()))
+    return {"task": task, "evaluation": config.evaluation.model_dump(mode="json", include=fields),
             "model": model_config.model_dump(mode="json"),
             "checkpoint": None if checkpoint is None else fingerprint(checkpoint_file(checkpoint)),
             "data": str(Path(data).resolve())}
@@ -138,12 +146,10 @@ def mlflow_metrics(task: str, metrics: dict[str, Any]) -> dict[str, float]:
     return flat
 
 
-def log_child_run(parent_run_id: str, config: VipConfig, task: str, metrics: dict[str, Any], metrics_file: Path) -> str:
-    """A child run of ``parent_run_id``: the config as params, the metrics, ``metrics.json``; returns its id."""
+def log_evaluation(run_id: str, task: str, metrics: dict[str, Any], metrics_file: Path) -> None:
+    """The job's metrics, its checkpoint (tag ``vip.checkpoint``) and ``metrics.json`` into its child run."""
     from tasks.runtime import tracking
 
-    tags = {tracking.STAGE_TAG: f"eval/{task}", "vip.checkpoint": str(metrics["checkpoint"])}
-    with tracking.run(f"eval-{task}", config=config, parent_run_id=parent_run_id, tags=tags) as run_id:
-        tracking.log_metrics(run_id, mlflow_metrics(task, metrics))
-        tracking.log_artifact(run_id, metrics_file)
-    return run_id
+    tracking.set_tags(run_id, {"vip.checkpoint": str(metrics["checkpoint"])})
+    tracking.log_metrics(run_id, mlflow_metrics(task, metrics))
+    tracking.log_artifact(run_id, metrics_file)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from types import SimpleNamespace
 
-from flows.caching import stage_cache_key, stage_folder
-from vip_core.config import tiny, with_overrides
+from flows.caching import eval_folder, eval_stage, stage_cache_key, stage_folder
+from vip_core.config import EVAL_TASK_FIELDS, EVAL_TASKS, EvaluationConfig, tiny, with_overrides
 
 CONTEXT = SimpleNamespace()
 
@@ -39,17 +39,39 @@ def test_private_pretraining_key_follows_privacy_but_the_synthetic_one_does_not(
     assert both(config, "synthetic") == both(stricter, "synthetic")
 
 
+def _eval_key(config, task, checkpoint=None):
+    parameters = {"config": config, "task": task, "checkpoint": checkpoint, "data": None, "output": f"/o/{task}"}
+    return stage_cache_key(eval_stage)(CONTEXT, parameters)
+
+
 def test_evaluation_key_does_not_depend_on_the_list_of_other_tasks():
-    key = stage_cache_key("eval")
     fewer = with_overrides(tiny(), {"evaluation.tasks": ["linprobe"]})
-    parameters = {"task": "linprobe", "checkpoint": None, "data": None, "output": "/o"}
-    assert key(CONTEXT, {"config": tiny(), **parameters}) == key(CONTEXT, {"config": fewer, **parameters})
+    assert _eval_key(tiny(), "linprobe") == _eval_key(fewer, "linprobe")
+
+
+def test_a_changed_evaluation_field_reruns_only_the_jobs_that_read_it(tmp_path):
+    config = tiny()
+    changes = [("evaluation.linprobe_epochs", 7, {"linprobe"}), ("evaluation.detection_lr", 0.5, {"coco"}),
+               ("evaluation.linprobe_last_blocks", 1, {"linprobe", "fewshot"}),
+               ("evaluation.layer_decay", 0.5, {"finetune", "coco", "ade20k"}),
+               ("evaluation.batch_size", 3, set(EVAL_TASKS))]
+    for field, value, readers in changes:
+        changed = with_overrides(config, {field: value})
+        rerun = {task for task in EVAL_TASKS if _eval_key(changed, task) != _eval_key(config, task)}
+        moved = {task for task in EVAL_TASKS
+                 if eval_folder(changed, tmp_path, task, "c", "d") != eval_folder(config, tmp_path, task, "c", "d")}
+        assert rerun == moved == readers, field
+
+
+def test_every_evaluation_setting_is_in_the_key_of_a_job():
+    read = {name for fields in EVAL_TASK_FIELDS.values() for name in fields}
+    assert read == set(EvaluationConfig.model_fields) - {"tasks"}
 
 
 def test_a_rewritten_input_file_changes_the_key(tmp_path):
     checkpoint = tmp_path / "checkpoint.pt"
     checkpoint.write_bytes(b"weights one")
-    key = stage_cache_key("eval")
+    key = stage_cache_key(eval_stage)
     parameters = {"config": tiny(), "task": "linprobe", "checkpoint": str(tmp_path), "data": None, "output": "/o"}
     before = key(CONTEXT, parameters)
     assert key(CONTEXT, parameters) == before

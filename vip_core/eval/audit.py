@@ -36,6 +36,7 @@ from scipy import stats
 from torch import nn
 
 from vip_core.config import ConfigError, VipConfig
+from vip_core.eval.seeding import seeded
 
 log = logging.getLogger(__name__)
 
@@ -255,8 +256,7 @@ def train_with_canaries(config: VipConfig, canaries: int, *, ordinary: int | Non
     design = torch.Generator().manual_seed(seed)
     included = torch.rand(canaries, generator=design) < 0.5  # included: [m]
     members = torch.nonzero(included).squeeze(1)  # members: [k] canary ids in the training set
-    with torch.random.fork_rng():  # the MAE's initialisation draws from the global stream: leave it as it was
-        torch.manual_seed(seed)
+    with seeded(seed):  # the MAE's initialisation draws from the global generator: alone, then restored
         model = CanaryAuditModel(build_mae(config.model), canaries, scale=config.privacy.max_grad_norm)
     dataset = _AuditDataset(members, ordinary, config, design)
     step, epsilon = _audit_step(model, config, public_size, delta, seed)

@@ -17,6 +17,7 @@ missing path, ``ValueError`` for a malformed file.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -64,10 +65,50 @@ def load_rgb(path: Path) -> Image.Image:
 # ----------------------------------------------------------------------------------------- classification
 
 
-def classification_transform(img_size: int, train: bool) -> Callable[[Image.Image], torch.Tensor]:
-    """Random resized crop and flip for training; resize and centre crop for evaluation; ImageNet norm."""
-    if train:
-        geometry = [T.RandomResizedCrop(img_size, scale=(0.5, 1.0), antialias=True), T.RandomHorizontalFlip()]
+Uniform = Callable[[tuple[int, ...]], torch.Tensor]
+"""Uniform draws in [0, 1) of a shape: where an augmentation takes its randomness (:func:`uniform_from`, or a
+private run's ``RandomStream.uniform``), never torch's global generator."""
+
+
+def uniform_from(generator: torch.Generator) -> Uniform:
+    """Uniform draws from ``generator``."""
+    return lambda shape: torch.rand(shape, generator=generator)
+
+
+class RandomCropFlip:
+    """torchvision's random resized crop (half to all of the area, aspect 3/4 to 4/3; the whole image after
+    10 misses) to ``size`` × ``size``, then a horizontal flip with probability 1/2, drawn from ``uniform``."""
+
+    SCALE = (0.5, 1.0)
+    LOG_RATIO = (math.log(3 / 4), math.log(4 / 3))
+    TRIES = 10
+
+    def __init__(self, size: int, uniform: Uniform) -> None:
+        self.size = size
+        self.uniform = uniform
+
+    def __call__(self, image: torch.Tensor) -> torch.Tensor:
+        top, left, height, width = self.box(*image.shape[-2:])
+        image = T.functional.resized_crop(image, top, left, height, width, [self.size, self.size], antialias=True)
+        return T.functional.horizontal_flip(image) if self.uniform((1,)).item() < 0.5 else image
+
+    def box(self, height: int, width: int) -> tuple[int, int, int, int]:
+        """``(top, left, height, width)`` of the crop."""
+        for _ in range(self.TRIES):
+            scale, ratio, row, column = self.uniform((4,)).tolist()
+            area = height * width * (self.SCALE[0] + scale * (self.SCALE[1] - self.SCALE[0]))
+            aspect = math.exp(self.LOG_RATIO[0] + ratio * (self.LOG_RATIO[1] - self.LOG_RATIO[0]))
+            crop_width, crop_height = round(math.sqrt(area * aspect)), round(math.sqrt(area / aspect))
+            if 0 < crop_width <= width and 0 < crop_height <= height:
+                return (int(row * (height - crop_height + 1)), int(column * (width - crop_width + 1)),
+                        crop_height, crop_width)
+        return 0, 0, height, width
+
+
+def classification_transform(img_size: int, augment: Uniform | None = None) -> Callable[[Image.Image], torch.Tensor]:
+    """:class:`RandomCropFlip` drawing from ``augment``, or without it resize and centre crop; ImageNet norm."""
+    if augment is not None:
+        geometry = [RandomCropFlip(img_size, augment)]
     else:
         geometry = [T.Resize(img_size, antialias=True), T.CenterCrop(img_size)]
     return T.Compose([T.ToImage(), *geometry, T.ToDtype(torch.float32, scale=True),
@@ -114,11 +155,11 @@ class ClassificationData:
     def num_classes(self) -> int:
         return len(self.classes)
 
-    def split(self, name: str, img_size: int, augment: bool = False) -> ImageFolderDataset:
-        """``name`` is ``train`` or ``val``."""
+    def split(self, name: str, img_size: int, augment: Uniform | None = None) -> ImageFolderDataset:
+        """``name`` is ``train`` or ``val``; ``augment``: random crops and flips drawn from it."""
         folder = self.train_dir if name == "train" else self.val_dir
         class_to_idx = {name: index for index, name in enumerate(self.classes)}
-        return ImageFolderDataset(folder, class_to_idx, classification_transform(img_size, train=augment))
+        return ImageFolderDataset(folder, class_to_idx, classification_transform(img_size, augment))
 
 
 def open_classification(root: str | Path) -> ClassificationData:
@@ -302,15 +343,17 @@ def read_label_map(path: Path, num_classes: int) -> np.ndarray:
 class SegmentationDataset(Dataset):
     """ADE20K pairs: the image resized to ``size`` × ``size`` and its label map.
 
-    Training items carry the label map resized (nearest) to the square; evaluation items keep the label
-    map at its original size, so mIoU is measured at full resolution.
+    Training items (``augment`` given) carry the label map resized (nearest) to the square, both flipped
+    horizontally with probability 1/2 drawn from ``augment``; evaluation items (``augment`` None) keep the
+    label map at its original size, so mIoU is measured at full resolution.
     """
 
-    def __init__(self, pairs: list[tuple[Path, Path]], size: int, num_classes: int, train: bool) -> None:
+    def __init__(self, pairs: list[tuple[Path, Path]], size: int, num_classes: int,
+                 augment: Uniform | None = None) -> None:
         self.pairs = pairs
         self.size = size
         self.num_classes = num_classes
-        self.train = train
+        self.augment = augment
         self.normalize = T.Normalize(IMAGENET_MEAN, IMAGENET_STD)
 
     def __len__(self) -> int:
@@ -321,10 +364,10 @@ class SegmentationDataset(Dataset):
         picture = load_rgb(image_path).resize((self.size, self.size), Image.BILINEAR)
         image = torch.from_numpy(np.array(picture)).permute(2, 0, 1).float() / 255  # [3, S, S]
         labels = read_label_map(label_path, self.num_classes)  # [H, W]
-        if self.train:
+        if self.augment is not None:
             resized = Image.fromarray(labels.astype(np.uint8)).resize((self.size, self.size), Image.NEAREST)
             labels = np.asarray(resized).astype(np.int64)  # [S, S]
-            if torch.rand(()) < 0.5:
+            if self.augment((1,)).item() < 0.5:
                 image, labels = image.flip(-1), labels[:, ::-1].copy()
         return self.normalize(image), torch.from_numpy(labels)
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import logging
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +21,6 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
 from torchvision.models.detection import FasterRCNN, MaskRCNN
 from torchvision.models.detection.anchor_utils import AnchorGenerator
 from torchvision.models.detection.faster_rcnn import FastRCNNPredictor, TwoMLPHead
@@ -31,10 +32,13 @@ from vip_core.eval.datasets import (
 )
 from vip_core.eval.fit import FitSettings, fit, layer_decay_adamw
 from vip_core.eval.pyramid import SimpleFeaturePyramid, resize_encoder
+from vip_core.eval.seeding import data_loader, generator, job_seed, seeded
 
 logger = logging.getLogger(__name__)
 
 LEVELS = ["0", "1", "2", "3"]
+# sys.stdout is one for the process: one evaluation at a time redirects it (two at once could leave it redirected)
+_STDOUT = threading.Lock()
 # torchvision's proposal and RoI counts suit images of this side; smaller images get proportionally fewer.
 DEFAULT_DETECTION_SIZE = 800
 
@@ -81,16 +85,18 @@ def build_detector(encoder: nn.Module, num_classes: int, with_masks: bool, setti
 def train_detector(detector: nn.Module, dataset: CocoDetectionDataset, settings: DetectionSettings,
                    device: torch.device) -> nn.Module:
     """End-to-end training for ``settings.epochs`` epochs; returns the detector in eval mode."""
-    torch.manual_seed(settings.seed)
-    loader = DataLoader(dataset, batch_size=settings.batch_size, shuffle=True, collate_fn=detection_collate)
+    loader = data_loader(dataset, batch_size=settings.batch_size, generator=generator(settings.seed, "shuffle"),
+                         shuffle=True, collate_fn=detection_collate)
+    steps = itertools.count()
     optimizer = layer_decay_adamw(detector, "backbone.encoder.", lr=settings.lr, weight_decay=settings.weight_decay,
                                   layer_decay=settings.layer_decay)
     detector.to(device)
 
     def loss_of(batch: tuple[list[torch.Tensor], list[dict]]) -> torch.Tensor:
         images, targets = batch
-        losses = detector([image.to(device) for image in images],
-                          [{key: value.to(device) for key, value in target.items()} for target in targets])
+        with seeded(job_seed(settings.seed, "samplers", str(next(steps)))):  # torchvision's RPN and RoI samplers
+            losses = detector([image.to(device) for image in images],
+                              [{key: value.to(device) for key, value in target.items()} for target in targets])
         return sum(losses.values())
 
     fit(detector, optimizer, lambda: loader, loss_of, epochs=settings.epochs, steps_per_epoch=len(loader),
@@ -106,7 +112,7 @@ def predict_coco(detector: nn.Module, dataset: CocoDetectionDataset, batch_size:
 
     detector.to(device).eval()
     results = []
-    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=detection_collate)
+    loader = data_loader(dataset, batch_size=batch_size, shuffle=False, collate_fn=detection_collate)
     infos = iter(dataset.images)
     for images, _ in loader:
         for output in detector([image.to(device) for image in images]):
@@ -146,7 +152,7 @@ def coco_average_precision(annotation_file: Path, detections: list[dict[str, Any
     if not detections:
         return {"ap": 0.0, "ap50": 0.0}
     report = io.StringIO()
-    with contextlib.redirect_stdout(report):  # pycocotools prints its progress and summary
+    with _STDOUT, contextlib.redirect_stdout(report):  # pycocotools prints its progress and summary
         ground_truth = COCO(str(annotation_file))
         evaluation = COCOeval(ground_truth, ground_truth.loadRes(detections), iouType=iou_type)
         evaluation.evaluate()
@@ -177,7 +183,8 @@ def detection_eval(encoder: nn.Module, root: str | Path, settings: DetectionSett
     with_masks = splits["with_masks"]
     train = CocoDetectionDataset(splits["train"]["data"], splits["train"]["images"], settings.img_size, with_masks)
     val = CocoDetectionDataset(splits["val"]["data"], splits["val"]["images"], settings.img_size, with_masks)
-    detector = build_detector(encoder, len(train.category_ids), with_masks, settings)
+    with seeded(job_seed(settings.seed, "heads")):
+        detector = build_detector(encoder, len(train.category_ids), with_masks, settings)
     train_detector(detector, train, settings, device)
     detections = predict_coco(detector, val, settings.batch_size, device)
     box = coco_average_precision(splits["val"]["annotations"], detections, "bbox")

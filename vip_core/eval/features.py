@@ -11,7 +11,9 @@ import logging
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
+
+from vip_core.eval.seeding import data_loader
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +40,7 @@ def extract_features(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Features and labels of every item of ``dataset``: ``([N, k * D], [N])`` on the CPU."""
     encoder.eval().to(device)
-    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers)
+    loader = data_loader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers)
     features, labels = [], []
     for images, targets in loader:
         features.append(pooled_block_features(encoder, images.to(device), last_blocks).float().cpu())

@@ -12,10 +12,11 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 from vip_core.eval.features import topk_accuracy
 from vip_core.eval.fit import FitSettings, fit, layer_decay_adamw, warmup_cosine_schedule
+from vip_core.eval.seeding import data_loader, generator
 from vip_core.train.precision import autocast
 
 logger = logging.getLogger(__name__)
@@ -60,9 +61,8 @@ def fine_tuning_adamw(model: EncoderClassifier, settings: FinetuneSettings, batc
 
 def finetune(model: EncoderClassifier, train: Dataset, settings: FinetuneSettings, device: torch.device) -> EncoderClassifier:
     """Non-private end-to-end fine-tuning for ``settings.epochs`` epochs."""
-    torch.manual_seed(settings.seed)
-    loader = DataLoader(train, batch_size=settings.batch_size, shuffle=True, drop_last=len(train) > settings.batch_size,
-                        num_workers=settings.num_workers)
+    loader = data_loader(train, batch_size=settings.batch_size, generator=generator(settings.seed, "shuffle"),
+                         shuffle=True, drop_last=len(train) > settings.batch_size, num_workers=settings.num_workers)
     optimizer = fine_tuning_adamw(model, settings, settings.batch_size)
     model.to(device)
 
@@ -82,7 +82,7 @@ def evaluate_classifier(model: nn.Module, dataset: Dataset, batch_size: int, dev
     """Top-1 and top-5 accuracy on ``dataset``."""
     model.to(device).eval()
     logits, labels = [], []
-    for images, targets in DataLoader(dataset, batch_size=batch_size):
+    for images, targets in data_loader(dataset, batch_size=batch_size):
         logits.append(model(images.to(device)).float().cpu())
         labels.append(torch.as_tensor(targets))
     return topk_accuracy(torch.cat(logits), torch.cat(labels))

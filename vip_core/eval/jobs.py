@@ -18,13 +18,15 @@ from PIL import Image
 from torch import nn
 
 from vip_core.config import EVAL_TASKS, EvaluationConfig, ModelConfig
-from vip_core.eval.datasets import ade20k_pairs, ade20k_root, open_classification
+from vip_core.eval.datasets import ade20k_pairs, ade20k_root, open_classification, uniform_from
 from vip_core.eval.detection import DetectionSettings, detection_eval, open_coco
 from vip_core.eval.features import extract_features
 from vip_core.eval.fewshot import few_shot
 from vip_core.eval.finetune import EncoderClassifier, FinetuneSettings, evaluate_classifier, finetune
 from vip_core.eval.linprobe import ProbeSettings, linear_probe
+from vip_core.eval.seeding import job_seed, seeded
 from vip_core.eval.segmentation import SegmentationSettings, segmentation_eval
+from vip_core.privacy.randomness import RandomStream, private_entropy
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +67,7 @@ def _linprobe(data: Path, evaluation: EvaluationConfig, model: ModelConfig, devi
     features = _features_of(dataset, evaluation, model, device)
     settings = ProbeSettings(epochs=evaluation.linprobe_epochs, lr=evaluation.linprobe_lr,
                              batch_size=evaluation.batch_size, optimizer=evaluation.linprobe_optimizer,
-                             seed=evaluation.seed)
+                             seed=job_seed(evaluation.seed, "linprobe"))
 
     def job(encoder: nn.Module) -> dict[str, float]:
         train, val = features(encoder)
@@ -90,16 +92,19 @@ def _fewshot(data: Path, evaluation: EvaluationConfig, model: ModelConfig, devic
 def _finetune(data: Path, evaluation: EvaluationConfig, model: ModelConfig, device: torch.device,
               runs: Sequence[str], ledgers: str | Path | None) -> Job:
     dataset = open_classification(data)
-    train = dataset.split("train", model.img_size, augment=True)
     val = dataset.split("val", model.img_size)
     settings = FinetuneSettings(epochs=evaluation.finetune_epochs, lr=evaluation.finetune_lr,
                                 batch_size=evaluation.batch_size, layer_decay=evaluation.layer_decay,
-                                weight_decay=evaluation.finetune_weight_decay, seed=evaluation.seed,
-                                precision=evaluation.precision)
+                                weight_decay=evaluation.finetune_weight_decay,
+                                seed=job_seed(evaluation.seed, "finetune"), precision=evaluation.precision)
     private = evaluation.finetune_privacy
     if not private.enabled:
+        crops = torch.Generator()
+        train = dataset.split("train", model.img_size, augment=uniform_from(crops))
+
         def job(encoder: nn.Module) -> dict[str, float]:
-            classifier = finetune(EncoderClassifier(encoder, dataset.num_classes), train, settings, device)
+            crops.manual_seed(job_seed(settings.seed, "crops"))  # both encoders see the same crops and flips
+            classifier = finetune(_classifier(encoder, dataset.num_classes, settings.seed), train, settings, device)
             return {**evaluate_classifier(classifier, val, evaluation.batch_size, device),
                     "chance_top1": 1 / dataset.num_classes}
 
@@ -107,7 +112,15 @@ def _finetune(data: Path, evaluation: EvaluationConfig, model: ModelConfig, devi
     if ledgers is None:
         raise ValueError("evaluation.finetune_privacy.enabled: DP fine-tuning needs the folder of the privacy "
                          "ledgers, to charge the fine-tuning set")
+    # a private run's augmentation: fresh 128-bit OS entropy, like its sampling and noise
+    train = dataset.split("train", model.img_size, augment=RandomStream(private_entropy(), 0, "sample").uniform)
     return _dp_finetune_job(train, val, dataset.num_classes, settings, evaluation, device, runs, Path(ledgers))
+
+
+def _classifier(encoder: nn.Module, num_classes: int, seed: int) -> EncoderClassifier:
+    """The fine-tuning classifier around ``encoder``, its head initialised from the job's seed."""
+    with seeded(job_seed(seed, "head")):
+        return EncoderClassifier(encoder, num_classes)
 
 
 def _dp_finetune_job(train, val, num_classes: int, settings: FinetuneSettings, evaluation: EvaluationConfig,
@@ -129,7 +142,7 @@ def _dp_finetune_job(train, val, num_classes: int, settings: FinetuneSettings, e
         if len(taken) == len(run_ids):
             raise RuntimeError(f"DP fine-tuning was planned for {len(run_ids)} runs ({', '.join(runs)}); no budget "
                                "is left for another")
-        classifier = EncoderClassifier(encoder, num_classes)
+        classifier = _classifier(encoder, num_classes, settings.seed)
         epsilon = dp_finetune(classifier, train, settings, private, plan, device, run=run_ids[len(taken)],
                               ledgers=ledgers, earlier_runs=len(taken))
         taken.append(run_ids[len(taken)])
@@ -149,7 +162,7 @@ def _coco(data: Path, evaluation: EvaluationConfig, model: ModelConfig, device: 
     settings = DetectionSettings(img_size=evaluation.detection_img_size, channels=evaluation.detection_channels,
                                  epochs=evaluation.detection_epochs, lr=evaluation.detection_lr,
                                  batch_size=evaluation.batch_size, layer_decay=evaluation.layer_decay,
-                                 seed=evaluation.seed)
+                                 seed=job_seed(evaluation.seed, "coco"))
     _check_multiple(settings.img_size, model.patch_size, "evaluation.detection_img_size")
     return lambda encoder: detection_eval(encoder, data, settings, device)
 
@@ -163,7 +176,7 @@ def _ade20k(data: Path, evaluation: EvaluationConfig, model: ModelConfig, device
                                     channels=evaluation.segmentation_channels, num_classes=num_classes,
                                     epochs=evaluation.segmentation_epochs, lr=evaluation.segmentation_lr,
                                     batch_size=evaluation.batch_size, layer_decay=evaluation.layer_decay,
-                                    seed=evaluation.seed)
+                                    seed=job_seed(evaluation.seed, "ade20k"))
     _check_multiple(settings.img_size, model.patch_size, "evaluation.segmentation_img_size")
 
     def job(encoder: nn.Module) -> dict[str, float]:

@@ -17,6 +17,7 @@ from torch import nn
 
 from vip_core.eval.features import topk_accuracy
 from vip_core.eval.fit import fit
+from vip_core.eval.seeding import job_seed, seeded
 
 class LARS(torch.optim.Optimizer):
     """Layer-wise adaptive rate scaling (You et al. 2017), as MAE's linear probe uses it.
@@ -72,8 +73,8 @@ class ProbeSettings:
 def train_probe(features: torch.Tensor, labels: torch.Tensor, num_classes: int, settings: ProbeSettings) -> nn.Module:
     """A trained probe head on ``features: [N, F]`` and ``labels: [N]``."""
     generator = torch.Generator().manual_seed(settings.seed)
-    torch.manual_seed(settings.seed)
-    head = probe_head(features.shape[1], num_classes)
+    with seeded(job_seed(settings.seed, "head")):
+        head = probe_head(features.shape[1], num_classes)
     lr = settings.lr * settings.batch_size / 256
     if settings.optimizer == "lars":
         optimizer = LARS(head.parameters(), lr=lr, weight_decay=0.0)

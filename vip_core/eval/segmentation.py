@@ -15,11 +15,14 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
 
-from vip_core.eval.datasets import IGNORE_LABEL, SegmentationDataset, ade20k_pairs, ade20k_root, segmentation_collate
+from vip_core.eval.datasets import (
+    IGNORE_LABEL, SegmentationDataset, ade20k_pairs, ade20k_root, segmentation_collate, uniform_from,
+)
 from vip_core.eval.fit import FitSettings, fit, layer_decay_adamw
 from vip_core.eval.pyramid import SCALES, SimpleFeaturePyramid, resize_encoder
+from vip_core.eval.seeding import data_loader, generator, job_seed, seeded
+
 
 @dataclass(frozen=True, kw_only=True)
 class SegmentationSettings(FitSettings):
@@ -54,9 +57,8 @@ class Segmenter(nn.Module):
 def train_segmenter(model: Segmenter, dataset: SegmentationDataset, settings: SegmentationSettings,
                     device: torch.device) -> Segmenter:
     """End-to-end training for ``settings.epochs`` epochs; returns the model in eval mode."""
-    torch.manual_seed(settings.seed)
-    loader = DataLoader(dataset, batch_size=settings.batch_size, shuffle=True, collate_fn=segmentation_collate,
-                        drop_last=len(dataset) > settings.batch_size)
+    loader = data_loader(dataset, batch_size=settings.batch_size, generator=generator(settings.seed, "shuffle"),
+                         shuffle=True, collate_fn=segmentation_collate, drop_last=len(dataset) > settings.batch_size)
     optimizer = layer_decay_adamw(model, "backbone.encoder.", lr=settings.lr, weight_decay=settings.weight_decay,
                                   layer_decay=settings.layer_decay)
     model.to(device)
@@ -98,7 +100,7 @@ def evaluate_segmenter(model: Segmenter, dataset: SegmentationDataset, batch_siz
     model.to(device).eval()
     num_classes = dataset.num_classes
     confusion = torch.zeros(num_classes, num_classes, dtype=torch.int64)
-    for images, labels in DataLoader(dataset, batch_size=batch_size, collate_fn=segmentation_collate):
+    for images, labels in data_loader(dataset, batch_size=batch_size, collate_fn=segmentation_collate):
         logits = model(images.to(device)).float().cpu()  # [N, K, S, S]
         for one, truth in zip(logits, labels):
             full = nn.functional.interpolate(one[None], size=truth.shape, mode="bilinear", align_corners=False)
@@ -110,8 +112,10 @@ def segmentation_eval(encoder: nn.Module, root: str | Path, settings: Segmentati
                       device: torch.device) -> dict[str, float]:
     """Trains a segmenter on ``root``'s training split and returns mIoU on its validation split."""
     root = ade20k_root(root)
-    train = SegmentationDataset(ade20k_pairs(root, "train"), settings.img_size, settings.num_classes, train=True)
-    val = SegmentationDataset(ade20k_pairs(root, "val"), settings.img_size, settings.num_classes, train=False)
-    model = Segmenter(resize_encoder(encoder, settings.img_size), settings.num_classes, settings.channels)
+    flips = uniform_from(generator(settings.seed, "flips"))
+    train = SegmentationDataset(ade20k_pairs(root, "train"), settings.img_size, settings.num_classes, augment=flips)
+    val = SegmentationDataset(ade20k_pairs(root, "val"), settings.img_size, settings.num_classes)
+    with seeded(job_seed(settings.seed, "head")):
+        model = Segmenter(resize_encoder(encoder, settings.img_size), settings.num_classes, settings.channels)
     train_segmenter(model, train, settings, device)
     return evaluate_segmenter(model, val, settings.batch_size, device)

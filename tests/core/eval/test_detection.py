@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from pycocotools import mask as mask_utils
@@ -38,6 +40,15 @@ def test_ground_truth_fed_back_as_detections_scores_full_ap(coco_val):
     mask = coco_average_precision(annotations, detections, "segm")
     assert box["ap"] > 0.95 and box["ap50"] == pytest.approx(1.0)
     assert mask["ap50"] == pytest.approx(1.0) and mask["ap"] > 0.6
+
+
+def test_pycocotools_reports_to_the_debug_log_not_to_stdout(coco_val, capfd, caplog):
+    annotations, dataset = coco_val
+    with caplog.at_level(logging.DEBUG, logger="vip_core.eval.detection"):
+        box = coco_average_precision(annotations, _ground_truth_as_outputs(dataset), "bbox")
+    assert box["ap50"] == pytest.approx(1.0)
+    assert capfd.readouterr().out == ""
+    assert "Average Precision" in caplog.text and "DONE" in caplog.text
 
 
 def test_detections_with_the_wrong_category_score_no_ap(coco_val):

@@ -9,49 +9,25 @@ import pytest
 import torch
 from torch import nn
 
-from vip_core.config import PrivacyConfig, get_preset
+from vip_core.config import get_preset
 from vip_core.models.mae import build_mae
 from vip_core.privacy.accounting import compute_epsilon
-from vip_core.privacy.plan import PrivacyPlan, plan_privacy
 from vip_core.train.loop import run_steps
 from vip_core.train.schedule import Schedule
 from vip_core.train.step import PlainStep, PrivateStep
 
-DATASET = torch.randn(64, 6)
-TARGETS = torch.randn(64, 1)
 
-
-def regression_loss(model: nn.Module, indices: torch.Tensor) -> torch.Tensor:
-    return (model(DATASET[indices]) - TARGETS[indices]).square().sum(-1)  # [b]
-
-
-def indices_only(indices, stream):
-    return indices
-
-
-def make_plan(target_epsilon: float, sigma: float = 1.0, batch: int = 16, steps: int = 6) -> PrivacyPlan:
-    budget = PrivacyConfig(noise_multiplier=sigma, target_epsilon=1e9, max_grad_norm=1.0, delta=1e-3, accountant="rdp")
-    plan = plan_privacy(budget, dataset_size=len(DATASET), batch_size=batch, steps=steps, fingerprint="regression")
-    return PrivacyPlan.from_dict({**plan.to_dict(), "target_epsilon": target_epsilon})
-
-
-def private_step(plan: PrivacyPlan, seed: int = 0) -> PrivateStep:
-    torch.manual_seed(seed)
-    return PrivateStep(nn.Linear(6, 1), plan, Schedule(peak_lr=0.1, total_steps=plan.steps, warmup_steps=1),
-                       physical_batch_size=4)
-
-
-def test_resuming_from_a_checkpoint_continues_the_ledger_the_streams_and_the_weights_exactly():
-    plan = make_plan(100.0)
-    first = private_step(plan)
-    run_steps(first, indices_only, regression_loss, until=4)
+def test_resuming_from_a_checkpoint_continues_the_ledger_the_streams_and_the_weights_exactly(regression):
+    plan = regression.plan(100.0)
+    first = regression.step(plan)
+    run_steps(first, regression.batch, regression.loss, until=4)
     state, streams, weights = first.state_dict(), first.stream_state(), first.model.state_dict()
 
     def resume(with_streams: bool) -> PrivateStep:
-        step = private_step(plan, seed=99)  # fresh entropy and other weights: the checkpoint must restore both
+        step = regression.step(plan, seed=99)  # fresh entropy and other weights: the checkpoint must restore both
         step.model.load_state_dict(weights)
         step.load_state_dict(copy.deepcopy(state), streams if with_streams else None)  # as if read from disk
-        result = run_steps(step, indices_only, regression_loss, until=6)
+        result = run_steps(step, regression.batch, regression.loss, until=6)
         assert result.steps == 6 and step.ledger.steps == 6
         assert result.epsilon == pytest.approx(compute_epsilon(noise_multiplier=1.0, sample_rate=0.25, steps=6,
                                                                delta=1e-3, accountant="rdp"))
@@ -63,17 +39,17 @@ def test_resuming_from_a_checkpoint_continues_the_ledger_the_streams_and_the_wei
     assert not torch.equal(flat[0], flat[2])
 
 
-def test_sampler_and_ledger_share_the_plans_q():
-    plan = make_plan(100.0)
-    step = private_step(plan)
+def test_sampler_and_ledger_share_the_plans_q(regression):
+    plan = regression.plan(100.0)
+    step = regression.step(plan)
     assert step.sampler.sample_rate == step.ledger.sample_rate == plan.sample_rate
     assert step.sampler.dataset_size == plan.dataset_size
 
 
-def test_mae_trains_privately_with_its_tokens_and_reports_epsilon_each_step():
+def test_mae_trains_privately_with_its_tokens_and_reports_epsilon_each_step(regression):
     config = get_preset("tiny")
     images = torch.randn(64, 3, 32, 32)
-    plan = make_plan(100.0, steps=2)
+    plan = regression.plan(100.0, steps=2)
     torch.manual_seed(0)
     mae = build_mae(config.model)
     step = PrivateStep(mae, plan, Schedule(peak_lr=1e-3, total_steps=2), physical_batch_size=8)
@@ -87,13 +63,13 @@ def test_mae_trains_privately_with_its_tokens_and_reports_epsilon_each_step():
         assert not torch.equal(before[name], dict(mae.named_parameters())[name]), name
 
 
-def test_the_plain_step_follows_the_mean_gradient_and_is_deterministic_for_its_seed():
+def test_the_plain_step_follows_the_mean_gradient_and_is_deterministic_for_its_seed(regression):
     def run() -> torch.Tensor:
         torch.manual_seed(0)
         model = nn.Linear(6, 1)
         step = PlainStep(model, Schedule(peak_lr=0.1, total_steps=3), seed=5, local_size=64, sample_rate=0.25,
                          physical_batch_size=4)
-        result = run_steps(step, indices_only, regression_loss, until=3)
+        result = run_steps(step, regression.batch, regression.loss, until=3)
         assert result.epsilon is None and not result.stopped_by_budget
         return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 

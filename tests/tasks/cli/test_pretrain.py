@@ -5,22 +5,14 @@ from __future__ import annotations
 import contextlib
 import io
 
-import numpy as np
 import pytest
-from PIL import Image
 
 from tasks.cli import main
-from vip_core.data.shards import ShardWriter, encode_image
 
 
 @pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("shards")
-    with ShardWriter(folder, prefix="img", samples_per_shard=32) as writer:
-        for i in range(96):
-            pixels = np.random.default_rng(i).integers(0, 255, size=(32, 32, 3), dtype=np.uint8)
-            writer.write(f"{i:05d}", {"png": encode_image(Image.fromarray(pixels), "png")})
-    return folder
+def shards(noise_shards):
+    return noise_shards(96)
 
 
 def _vip(*argv: str) -> tuple[int, str]:

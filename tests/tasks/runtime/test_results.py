@@ -13,7 +13,7 @@ def _summary():
         pretrain_dp={"checkpoint": "/p", "steps": 10, "epsilon": 7.91, "delta": 0.0016},
         evaluations={"linprobe": {"result": {"top1": 0.62}, "baseline": {"top1": 0.41}, "seconds": {"result": 9}}},
         registered_model="vip-encoder/3",
-        audit={"epsilon_lower_bound": 0.42, "epsilon_claimed": 8.0, "canaries": 1000, "correct_guesses": 90,
+        audit={"epsilon_lower_bound": 0.42, "epsilon_claimed": 7.9973, "canaries": 1000, "correct_guesses": 90,
                "guesses": 100, "output": "/a"},
     )
 
@@ -24,7 +24,19 @@ def test_the_results_table_puts_each_evaluation_beside_its_baseline():
     row = next(line for line in table.splitlines() if line.strip().startswith("linprobe"))
     assert row.split() == ["linprobe", "top1", "0.6200", "0.4100", "+0.2100"]
     assert "vip-encoder/3" in table
-    assert "empirical ε ≥ 0.420 from 1000 canaries" in table
+    assert "  audit: empirical ε ≥ 0.420 from 1000 canaries" in table
+
+
+def test_the_audit_line_prints_the_claimed_epsilon_as_computed_once_labelled():
+    for table in (results.text_table(_summary()), results.markdown_table(_summary())):
+        assert "accountant claims 7.997)" in table
+        assert table.lower().count("audit:") == 1
+
+
+def test_the_markdown_table_has_the_difference_column():
+    table = results.markdown_table(_summary())
+    assert "| task | metric | ViP | random init | difference |" in table
+    assert "| linprobe | top1 | 0.6200 | 0.4100 | +0.2100 |" in table
 
 
 def test_summary_metrics_are_namespaced():

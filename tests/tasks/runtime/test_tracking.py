@@ -1,15 +1,19 @@
 """MLflow tracking on a real store: stage runs nest under the flow's run, a retried stage continues its run,
-the encoder is registered as a model version that downloads."""
+the encoder is registered as an MLflow PyTorch model that loads back from the registry, with its privacy ledger."""
 
 from __future__ import annotations
 
-from pathlib import Path
+import json
+import subprocess
+import sys
 
 import mlflow
 import pytest
+import torch
 
 from tasks.runtime import tracking
 from vip_core.config import flatten, tiny
+from vip_core.models import build_mae, load_encoder, save_checkpoint
 
 
 def test_a_stage_run_is_a_child_of_the_flow_run_with_the_flattened_config_as_params():
@@ -49,16 +53,54 @@ def test_a_retried_stage_continues_its_failed_run():
     assert tracking.client().get_run(second).info.status == "FINISHED"
 
 
-def test_register_encoder_makes_a_downloadable_model_version(tmp_path):
-    checkpoint = tmp_path / "final"
-    checkpoint.mkdir()
-    (checkpoint / "checkpoint.pt").write_bytes(b"weights")
-    run_id = tracking.start_run("vip-pipeline/registry")
-    first = tracking.register_encoder(run_id, checkpoint)
-    second = tracking.register_encoder(run_id, checkpoint / "checkpoint.pt")
-    assert int(second) == int(first) + 1
-    folder = mlflow.artifacts.download_artifacts(f"models:/{tracking.ENCODER_MODEL_NAME}/{first}")
-    assert (Path(folder) / "checkpoint.pt").read_bytes() == b"weights"
+LEDGER = {"epsilon": 7.997, "delta": 1.6e-3, "noise_multiplier": 0.594, "sample_rate": 0.125, "steps": 10,
+          "accountant": "pld", "composed_with": []}
+LOAD_WITHOUT_VIP = """
+import sys
+import mlflow.pytorch, torch
+sys.modules["vip_core"] = sys.modules["timm"] = None  # neither the project's code nor timm can be imported
+encoder = mlflow.pytorch.load_model(sys.argv[1])
+torch.save(encoder(torch.load(sys.argv[2])), sys.argv[3])
+"""
+
+
+@pytest.fixture(scope="module")
+def registered(tmp_path_factory):
+    """``(checkpoint, version)``: a tiny MAE checkpoint (with a training loss beside the released entries),
+    its encoder registered."""
+    config = tiny()
+    torch.manual_seed(0)
+    checkpoint = save_checkpoint(tmp_path_factory.mktemp("final"), model=build_mae(config.model), config=config,
+                                 step=10, ledger=LEDGER, loss=0.731)
+    return checkpoint, tracking.register_encoder(tracking.start_run("vip-pipeline/registry"), checkpoint.parent)
+
+
+def test_the_registered_encoder_loads_back_with_mlflow_and_gives_the_checkpoints_features(registered):
+    checkpoint, version = registered
+    images = torch.randn(3, 3, 32, 32)  # another batch size than the example's
+    loaded = mlflow.pytorch.load_model(f"models:/{tracking.ENCODER_MODEL_NAME}/{version}")
+    assert torch.allclose(loaded(images), load_encoder(checkpoint).eval()(images))
+    info = mlflow.models.get_model_info(f"models:/{tracking.ENCODER_MODEL_NAME}/{version}")
+    assert info.signature.inputs.to_dict()[0]["tensor-spec"]["shape"] == (-1, 3, 32, 32)
+
+
+def test_the_registered_encoder_loads_without_the_projects_code(registered, tmp_path):
+    checkpoint, version = registered
+    images = torch.randn(2, 3, 32, 32)
+    torch.save(images, tmp_path / "images.pt")
+    subprocess.run([sys.executable, "-c", LOAD_WITHOUT_VIP, f"models:/{tracking.ENCODER_MODEL_NAME}/{version}",
+                    str(tmp_path / "images.pt"), str(tmp_path / "features.pt")], check=True, cwd=tmp_path)
+    assert torch.allclose(torch.load(tmp_path / "features.pt"), load_encoder(checkpoint).eval()(images))
+
+
+def test_the_model_version_carries_the_privacy_ledger_and_no_other_private_value(registered):
+    _, version = registered
+    tags = tracking.client().get_model_version(tracking.ENCODER_MODEL_NAME, version).tags
+    assert tags == {"privacy.epsilon": "7.997", "privacy.delta": "0.0016", "privacy.sigma": "0.594",
+                    "privacy.q": "0.125", "privacy.steps": "10", "privacy.accountant": "pld"}
+    metadata = mlflow.models.get_model_info(f"models:/{tracking.ENCODER_MODEL_NAME}/{version}").metadata
+    assert set(metadata) == {"config", "step", "ledger"} and metadata["ledger"] == LEDGER
+    assert "0.731" not in json.dumps(metadata), "the training loss stays out"
 
 
 def test_register_encoder_names_a_missing_checkpoint(tmp_path):

@@ -4,9 +4,11 @@ the result and the random-init baseline, the stored result reused, and the MLflo
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from flows.graph import EVAL_THREADS
 from tasks.stages.eval import METRICS_FILE, run_evaluation
 
 
@@ -65,3 +67,28 @@ def test_child_run_under_the_parent_holds_result_and_baseline_metrics(workspace,
     assert logged["eval/ade20k/miou_random_init"] == pytest.approx(metrics["baseline"]["miou"])
     artifacts = [entry.path for entry in tracking.client().list_artifacts(child.info.run_id)]
     assert METRICS_FILE in artifacts
+
+
+def test_the_child_run_spans_the_job_it_records(workspace):
+    from tasks.runtime import tracking
+
+    root, config, checkpoint = workspace
+    parent = tracking.start_run("pipeline-under-test")
+    metrics = run_evaluation(config, "fewshot", str(checkpoint), str(root / "digits"), str(root / "timed" / "fewshot"),
+                             mlflow_run_id=parent)
+    (child,) = tracking.child_runs(parent)
+    assert child.info.run_name == "eval-fewshot" and child.info.status == "FINISHED"
+    assert child.data.tags["vip.checkpoint"] == str(checkpoint)
+    job_ms = 1000 * sum(metrics["seconds"].values())
+    assert child.info.end_time - child.info.start_time >= job_ms > 0
+
+
+def test_the_same_config_gives_the_same_numbers_in_parallel_threads_as_one_at_a_time(workspace, evaluations):
+    root, config, checkpoint = workspace
+    with ThreadPoolExecutor(EVAL_THREADS) as pool:  # as the flows run the jobs
+        futures = {task: pool.submit(run_evaluation, config, task, str(checkpoint), metrics["data"],
+                                     str(root / "parallel" / task))
+                   for task, metrics in evaluations.items()}
+    for task, future in futures.items():
+        again = future.result()
+        assert (again["result"], again["baseline"]) == (evaluations[task]["result"], evaluations[task]["baseline"]), task

@@ -8,14 +8,11 @@ import io
 import json
 import math
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from tasks.cli import main
 from vip_core.config import get_preset, with_overrides
-from vip_core.data.shards import ShardWriter, encode_image
 from vip_core.models.checkpoint import PUBLISHED_ENTRIES, load_checkpoint
 from vip_core.models.mae import build_mae
 from vip_core.privacy.accounting import compute_epsilon
@@ -26,18 +23,9 @@ STAGE_FLAGS = ["--workers", "2", "--cpus-per-worker", "0.5", "--steps", str(STEP
                "--physical-batch-size", "16", "--checkpoint-every", "2"]
 
 
-def _write_shards(folder, count: int) -> None:
-    with ShardWriter(folder, prefix="img", samples_per_shard=32) as writer:
-        for i in range(count):
-            pixels = np.random.default_rng(i).integers(0, 255, size=(32, 32, 3), dtype=np.uint8)
-            writer.write(f"{i:05d}", {"png": encode_image(Image.fromarray(pixels), "png")})
-
-
 @pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("shards")
-    _write_shards(folder, IMAGES)
-    return folder
+def shards(noise_shards):
+    return noise_shards(IMAGES)
 
 
 @pytest.fixture(scope="module")
@@ -186,15 +174,15 @@ def test_a_finished_stage_is_not_trained_again(local_ray, shards, synthetic):
 
 
 @pytest.mark.slow
-def test_logical_batch_of_4096_runs_in_microbatches_in_bounded_memory(local_ray, tmp_path_factory):
+def test_logical_batch_of_4096_runs_in_microbatches_in_bounded_memory(local_ray, noise_shards, tmp_path_factory):
     """The tiny preset's DP step at B = 4,096 (microbatches of 32) needs about the memory of B = 256:
     per-sample work is bounded by the microbatch. Prints both peaks."""
-    data = tmp_path_factory.mktemp("big")
-    _write_shards(data, 8192)
+    data = noise_shards(8192)
+    runs = tmp_path_factory.mktemp("big")
     peaks = {}
     for batch in (256, 4096):
         code, result = _vip(
-            "pretrain", "--stage", "private", "--data", str(data), "--output", str(data.parent / f"b{batch}"),
+            "pretrain", "--stage", "private", "--data", str(data), "--output", str(runs / f"b{batch}"),
             "--workers", "2", "--cpus-per-worker", "0.5", "--steps", "2", "--batch-size", str(batch),
             "--physical-batch-size", "32",
         )

@@ -6,12 +6,9 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
-from PIL import Image
 
 from vip_core.config import get_preset, with_overrides
-from vip_core.data.shards import ShardWriter, encode_image
 from vip_core.models.checkpoint import load_checkpoint
 
 STEPS = 6
@@ -26,13 +23,8 @@ def _config(**extra):
 
 
 @pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("shards")
-    with ShardWriter(folder, prefix="img", samples_per_shard=32) as writer:
-        for i in range(64):
-            pixels = np.random.default_rng(i).integers(0, 255, size=(32, 32, 3), dtype=np.uint8)
-            writer.write(f"{i:05d}", {"png": encode_image(Image.fromarray(pixels), "png")})
-    return folder
+def shards(noise_shards):
+    return noise_shards(64)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,55 @@
+"""The randomness of a public evaluation job: its own generators, whatever runs beside it.
+
+torch keeps one global generator per process. Evaluation jobs run in parallel threads, so a
+``torch.manual_seed`` in one job reseeded it for every job and their draws interleaved: the same config gave
+other numbers from one run to the next. A job draws instead from generators of its own, keyed by the
+config's seed and the job's name (:func:`job_seed`):
+
+* ``torch.Generator`` objects (:func:`generator`) given to its shuffles, its augmentation and every
+  :func:`data_loader` (a ``DataLoader`` without one draws its workers' base seed from the global generator);
+* for what can only draw from the global generator (a module's initialisation, torchvision's detection
+  samplers), a block under :func:`seeded`: the global generator seeded for the block and restored after
+  it, under one lock of the process, so no other job draws from it meanwhile.
+
+Evaluation code draws from the global generator nowhere else, so a job's numbers are the same alone or
+beside others. DP fine-tuning keeps a private run's fresh OS entropy for its sampling, noise and
+augmentation (:mod:`vip_core.privacy.randomness`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import threading
+from typing import Iterator
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+_GLOBAL_GENERATOR = threading.RLock()
+
+
+def job_seed(seed: int, *names: str) -> int:
+    """A 63-bit seed for ``names`` (the job, then what it seeds) under the config's ``seed``."""
+    key = "/".join([str(seed), *names]).encode()
+    return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1
+
+
+def generator(seed: int, *names: str) -> torch.Generator:
+    """A CPU generator seeded with :func:`job_seed` of ``seed`` and ``names``."""
+    return torch.Generator().manual_seed(job_seed(seed, *names))
+
+
+@contextlib.contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """Runs the block alone on torch's global generator (CPU and initialised CUDA devices), seeded with ``seed``."""
+    devices = range(torch.cuda.device_count()) if torch.cuda.is_initialized() else []
+    with _GLOBAL_GENERATOR, torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
+def data_loader(dataset: Dataset, *, batch_size: int, generator: torch.Generator | None = None,
+                **options) -> DataLoader:
+    """A ``DataLoader`` whose shuffle and worker seeds come from ``generator`` (a fixed one when None)."""
+    return DataLoader(dataset, batch_size=batch_size, generator=generator or torch.Generator(), **options)
