@@ -18,9 +18,6 @@ from vip_core.privacy.sampling import PoissonSampler
 from vip_core.train.data import decode_pixels
 from vip_core.train.pipeline import InputPipeline
 from vip_core.train.step import PrivateStep
-from vip_core.train.schedule import Schedule
-
-from tests.core.train.test_step import make_plan
 
 
 def sampler(entropy: int = 7) -> PoissonSampler:
@@ -58,11 +55,11 @@ def test_a_checkpoint_holds_the_sampler_of_the_last_step_taken_and_a_resume_draw
         pipeline.close()
 
 
-def test_a_private_step_resumed_from_its_stream_state_continues_the_uninterrupted_samples():
-    plan = make_plan(1e9, steps=8)
+def test_a_private_step_resumed_from_its_stream_state_continues_the_uninterrupted_samples(regression):
+    plan = regression.plan(1e9, steps=8)
 
     def step() -> PrivateStep:
-        built = PrivateStep(torch.nn.Linear(6, 1), plan, Schedule(peak_lr=0.1, total_steps=8), physical_batch_size=4)
+        built = regression.step(plan)
         built.prefetch(fake_pixels, ahead=2)
         return built
 
