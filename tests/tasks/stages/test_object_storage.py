@@ -16,7 +16,7 @@ from tasks.runtime.ray_session import ray_session
 from tasks.stages.ingest import run_ingest
 from tasks.stages.pretrain import run_pretrain
 from tests.tasks.stages.test_ingest import _config as ingest_config
-from tests.tasks.stages.test_pretrain import IMAGES, _private_config, _write_shards
+from tests.tasks.stages.test_pretrain import IMAGES, _private_config
 from vip_core.config import with_overrides
 from vip_core.train.data import measure_shards
 
@@ -51,12 +51,11 @@ def s3_server():
 
 
 @pytest.fixture(scope="module")
-def bucket_shards(s3_server, tmp_path_factory):
-    """The test's shards, written locally and uploaded to ``s3://vip-shards/web``."""
+def bucket_shards(s3_server, noise_shards):
+    """The pre-training tests' shards, uploaded to ``s3://vip-shards/web``."""
     import s3fs
 
-    local = tmp_path_factory.mktemp("local-shards")
-    _write_shards(local, IMAGES)
+    local = noise_shards(IMAGES)
     fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_server})
     fs.mkdir("vip-shards")
     fs.put(f"{local}/", "vip-shards/web/", recursive=True)
