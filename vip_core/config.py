@@ -246,6 +246,7 @@ class EvaluationConfig(_Frozen):
     segmentation_channels: int = Field(256, gt=0)
     segmentation_lr: float = Field(1e-4, gt=0)
     segmentation_num_classes: int | None = Field(150, gt=0, description="None: the largest training label")
+    precision: Literal["fp32", "bf16"] = Field("fp32", description="fine-tuning forwards under bf16 autocast or not")
     seed: int = 0
 
 

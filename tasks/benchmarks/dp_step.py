@@ -8,7 +8,8 @@ Poisson draw, masks and noise from 128-bit-keyed streams, per-sample clipping, D
 ``opacus_hooks`` and ``opacus_ghost`` (opacus 1.6.0 ``GradSampleModule`` + ``DPOptimizer``, and ghost
 clipping). Each time is the median over the rounds, of
 wall-clock time (``*_ratio``) and of this process's CPU time (``*_cpu_ratio``, steadier when other
-processes compete for the cores).
+processes compete for the cores). ``--precision bf16`` runs every mode's forward under bfloat16 autocast
+(the engine keeps per-sample norms and clipped sums in float32).
 
 Opacus needs the MAE's cls and mask tokens out of the root module (otherwise every opacus mode falls back
 to a per-sample vmap of the whole forward, which fails on the random masking): for opacus the same
@@ -38,7 +39,8 @@ NAIVE_SAMPLES = 8
 
 
 def bench_dp_step(
-    *, preset: str, img_size: int, batch: int, repeats: int, warmup: int, threads: int, opacus: bool, seed: int
+    *, preset: str, img_size: int, batch: int, repeats: int, warmup: int, threads: int, opacus: bool, seed: int,
+    precision: str = "fp32",
 ) -> dict[str, Any]:
     """Times and measures every mode on the MAE of ``preset`` at ``img_size``; returns the figures."""
     import torch
@@ -49,12 +51,13 @@ def bench_dp_step(
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Full backward hook", category=UserWarning)
-            return _bench(preset, img_size, batch, repeats, warmup, opacus, seed)
+            return _bench(preset, img_size, batch, repeats, warmup, opacus, seed, precision)
     finally:
         torch.set_num_threads(previous_threads)
 
 
-def _bench(preset: str, img_size: int, batch: int, repeats: int, warmup: int, opacus: bool, seed: int) -> dict[str, Any]:
+def _bench(preset: str, img_size: int, batch: int, repeats: int, warmup: int, opacus: bool, seed: int,
+           precision: str) -> dict[str, Any]:
     import torch
 
     from vip_core.config import get_preset, with_overrides
@@ -66,11 +69,11 @@ def _bench(preset: str, img_size: int, batch: int, repeats: int, warmup: int, op
     config = with_overrides(config, {"model.img_size": img_size})
     torch.manual_seed(seed)
     images = torch.randn(batch, 3, img_size, img_size)  # images: [B, 3, S, S]
-    steps = _step_functions(config, images, opacus)
+    steps = _step_functions(config, images, opacus, precision)
     seconds, cpu_seconds = _interleaved_medians(steps, repeats, warmup)
     peaks = {name: _peak_bytes(step, state) for name, (step, state) in steps.items()}
     result: dict[str, Any] = {
-        "preset": preset, "img_size": img_size, "batch": batch, "repeats": repeats,
+        "preset": preset, "img_size": img_size, "batch": batch, "repeats": repeats, "precision": precision,
         "threads": torch.get_num_threads(),
         "nonprivate_s": seconds["nonprivate"], "dp_s": seconds["dp"],
         "dp_ratio": seconds["dp"] / seconds["nonprivate"],
@@ -100,10 +103,17 @@ NOISE_MULTIPLIER = 1.0
 LR = 1e-4
 
 
-def _step_functions(config: Any, images: Any, opacus: bool) -> dict[str, tuple[Callable[[], None], list]]:
-    """``name -> (one optimiser step, tensors held between steps)`` for every mode, each on its own copy."""
+def _step_functions(config: Any, images: Any, opacus: bool,
+                    precision: str) -> dict[str, tuple[Callable[[], None], list]]:
+    """``name -> (one optimiser step, tensors held between steps)`` for every mode, each on its own copy, with
+    its forward in ``precision``."""
     from vip_core.models.mae import build_mae
     from vip_core.privacy.optimizer import dp_adamw
+    from vip_core.train.precision import autocast
+
+    def forward(model: Any, *inputs: Any, **options: Any) -> Any:
+        with autocast(precision, images.device):
+            return model(*inputs, **options)
 
     base = build_mae(config.model)
     steps: dict[str, tuple[Callable[[], None], list]] = {}
@@ -113,20 +123,20 @@ def _step_functions(config: Any, images: Any, opacus: bool) -> dict[str, tuple[C
 
     def nonprivate() -> None:
         plain_opt.zero_grad(set_to_none=True)
-        plain(images)[0].mean().backward()
+        forward(plain, images)[0].float().mean().backward()
         plain_opt.step()
 
     steps["nonprivate"] = (nonprivate, [plain, plain_opt])
 
     for name, secure in (("dp", False), ("dp_secure", True)):
-        steps[name] = _private_step(base, images, secure=secure)
+        steps[name] = _private_step(base, images, forward, secure=secure)
     if opacus:
-        steps["opacus_ghost"] = _opacus_step(base, images, ghost=True)
-        steps["opacus_hooks"] = _opacus_step(base, images, ghost=False)
+        steps["opacus_ghost"] = _opacus_step(base, images, forward, ghost=True)
+        steps["opacus_hooks"] = _opacus_step(base, images, forward, ghost=False)
     return steps
 
 
-def _private_step(base: Any, images: Any, *, secure: bool) -> tuple[Callable[[], None], list]:
+def _private_step(base: Any, images: Any, forward: Callable, *, secure: bool) -> tuple[Callable[[], None], list]:
     """vip's private step (:class:`~vip_core.train.step.PrivateStep`) with q = 1, so that every image is in
     every step: Poisson draw, masks and noise from its random streams, clipping, DP-AdamW, ledger."""
     from vip_core.config import PrivacyConfig
@@ -144,12 +154,12 @@ def _private_step(base: Any, images: Any, *, secure: bool) -> tuple[Callable[[],
 
     def run() -> None:
         step(lambda local, stream: (images[local], stream.uniform((len(local), model.num_patches))),
-             lambda mae, inputs: mae(inputs[0], noise=inputs[1])[0])
+             lambda mae, inputs: forward(mae, inputs[0], noise=inputs[1])[0].float())
 
     return run, [model, step.optimizer]
 
 
-def _opacus_step(base: Any, images: Any, *, ghost: bool) -> tuple[Callable[[], None], list]:
+def _opacus_step(base: Any, images: Any, forward: Callable, *, ghost: bool) -> tuple[Callable[[], None], list]:
     import torch
     from opacus.grad_sample import GradSampleModule, GradSampleModuleFastGradientClipping
     from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
@@ -166,7 +176,7 @@ def _opacus_step(base: Any, images: Any, *, ghost: bool) -> tuple[Callable[[], N
 
         def step() -> None:
             optimizer.zero_grad(set_to_none=True)
-            DPTensorFastGradientClipping(module, optimizer, module(images), "sum").backward()
+            DPTensorFastGradientClipping(module, optimizer, forward(module, images).float(), "sum").backward()
             optimizer.step()
     else:
         module = GradSampleModule(wrapped, loss_reduction="sum")
@@ -174,7 +184,7 @@ def _opacus_step(base: Any, images: Any, *, ghost: bool) -> tuple[Callable[[], N
 
         def step() -> None:
             optimizer.zero_grad(set_to_none=True)
-            module(images).sum().backward()
+            forward(module, images).float().sum().backward()
             optimizer.step()
 
     return step, [wrapped, optimizer.original_optimizer]

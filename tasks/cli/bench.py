@@ -1,4 +1,4 @@
-"""``vip bench dp-step | render | ingest``: benchmarks that print their figures beside a baseline measured in
+"""``vip bench dp-step | render | ingest | train``: benchmarks that print their figures beside a baseline measured in
 the same run (the measurements are in ``tasks/benchmarks/``)."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ import argparse
 from typing import Any
 
 from tasks.cli.options import add_command, add_json, add_preset, count
+from vip_core.train.precision import PRECISIONS
 
 
 def register(subparsers: Any) -> None:
@@ -15,6 +16,7 @@ def register(subparsers: Any) -> None:
     _register_dp_step(benchmarks)
     _register_render(benchmarks)
     _register_ingest(benchmarks)
+    _register_train(benchmarks)
 
 
 def _register_dp_step(benchmarks: Any) -> None:
@@ -29,7 +31,13 @@ def _register_dp_step(benchmarks: Any) -> None:
     parser.add_argument("--threads", type=count(0), default=1,
                         help="torch CPU threads (default: 1, steady on a shared machine); 0 keeps torch's default")
     parser.add_argument("--no-opacus", action="store_true", help="skip the two opacus modes")
+    add_precision(parser)
     parser.add_argument("--seed", type=int, default=0)
+
+
+def add_precision(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                        help="forward under bf16 autocast or not (default: fp32)")
 
 
 def _register_render(benchmarks: Any) -> None:
@@ -60,11 +68,47 @@ def _register_ingest(benchmarks: Any) -> None:
     parser.add_argument("--repeats", type=count(1), default=1, help="passes of each side; the best counts (default: 1)")
 
 
+def _register_train(benchmarks: Any) -> None:
+    parser = add_command(benchmarks, "train", handle_train, help="images/s of a DP pre-training step reading shards "
+                         "through the input pipeline against the same step on images in memory, and of the loader")
+    add_json(parser)
+    add_preset(parser)
+    parser.add_argument("--img-size", type=count(1), help="image side in pixels (default: the preset's)")
+    parser.add_argument("--batch", type=count(1), default=32, help="expected samples per step (default: 32)")
+    parser.add_argument("--images", type=count(1), default=256, help="JPEG images in the shards (default: 256)")
+    parser.add_argument("--source-side", type=count(1), default=256,
+                        help="side of the stored JPEGs in pixels (default: 256)")
+    parser.add_argument("--steps", type=count(1), default=6, help="timed steps per block (default: 6)")
+    parser.add_argument("--rounds", type=count(1), default=3, help="blocks of each side, alternating (default: 3)")
+    parser.add_argument("--warmup", type=count(0), default=2, help="untimed steps of each side first (default: 2)")
+    parser.add_argument("--threads", type=count(0), default=1,
+                        help="torch CPU threads (default: 1); 0 keeps torch's default")
+    parser.add_argument("--decode-threads", type=count(1), default=2, help="input pipeline threads (default: 2)")
+    parser.add_argument("--ahead", type=count(1), default=2, help="steps drawn and decoded ahead (default: 2)")
+    add_precision(parser)
+
+
+def handle_train(args: argparse.Namespace) -> int:
+    from tasks.benchmarks.train import bench_train
+
+    result = bench_train(preset=args.preset, img_size=args.img_size, batch=args.batch, images=args.images,
+                         source_side=args.source_side, steps=args.steps, rounds=args.rounds, warmup=args.warmup,
+                         threads=args.threads, decode_threads=args.decode_threads, ahead=args.ahead,
+                         precision=args.precision)
+    lines = [f"DP step from shards {result['step_images_per_s']:8.1f} img/s   from memory "
+             f"{result['in_memory_images_per_s']:8.1f} img/s   input_ratio {result['input_ratio']:.3f} "
+             f"(target >= {result['target_input_ratio']}: {result['meets_target']})",
+             f"loader alone {result['loader_images_per_s_per_proc']:8.1f} img/s per process; "
+             f"load average {result['load_average']}"]
+    return _report(args, result, lines)
+
+
 def handle_dp_step(args: argparse.Namespace) -> int:
     from tasks.benchmarks.dp_step import bench_dp_step
 
     result = bench_dp_step(preset=args.preset, img_size=args.img_size, batch=args.batch, repeats=args.repeats,
-                           warmup=args.warmup, threads=args.threads, opacus=not args.no_opacus, seed=args.seed)
+                           warmup=args.warmup, threads=args.threads, opacus=not args.no_opacus, seed=args.seed,
+                           precision=args.precision)
     return _report(args, result, [f"{key:>28}: {value}" for key, value in result.items()])
 
 

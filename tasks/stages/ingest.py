@@ -45,9 +45,10 @@ from vip_core.atomic import atomic_path, write_json
 from vip_core.config import IngestConfig, VipConfig
 from vip_core.data.dedup import Deduplicator, NearDuplicateIndex, build_contamination_index, content_hash, perceptual_hash
 from vip_core.data.filters import SampleFilter, center_crop_resize, decode_web_image
+from vip_core.data import storage
 from vip_core.data.shards import encode_image, iter_samples, list_shards, write_shard
 from vip_core.data.urllist import UrlList, file_digest, read_url_list
-from tasks.runtime.environment import configure_environment
+from tasks.runtime.environment import configure_environment, state_paths
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +141,9 @@ def run_ingest(
     Args:
         config: the run's configuration; ``config.data.ingest`` drives this stage.
         url_list: a LAION-format parquet, csv or jsonl file.
-        output: the folder for the clean shards, ``manifest.parquet`` and ``stats.json``.
+        output: the folder for the clean shards, ``manifest.parquet`` and ``stats.json``: a local path, or an
+            fsspec URL (``s3://bucket/web``), where the finished shards, manifest and stats are uploaded from
+            a local staging folder (``$VIP_HOME/data/staging/…``, which keeps the work for a re-run).
         eval_images: a folder of downstream evaluation images; near duplicates of them are removed.
 
     Returns:
@@ -152,6 +155,11 @@ def run_ingest(
         IngestError: img2dataset stopped early; running again resumes.
     """
     configure_environment()
+    if storage.is_url(output):
+        staged = run_ingest(config, url_list, staging_folder(str(output)), eval_images)
+        files = [Path(staged["output"]) / name for name in ("manifest.parquet", "stats.json")]
+        storage.put(list_shards(staged["output"], SHARD_PREFIX) + files, str(output))
+        return {**staged, "output": str(output), "staging": staged["output"]}
     settings = config.data.ingest
     urls = read_url_list(url_list)
     sample_filter = _sample_filter(settings)
@@ -170,6 +178,11 @@ def run_ingest(
         _download_and_clean(layout, settings, cleaner, shard_count, lock)
         stats = _finish(layout, shard_count, len(urls))
     return {**stats, "output": str(layout.output), "shards": len(list_shards(layout.output, SHARD_PREFIX))}
+
+
+def staging_folder(url: str) -> Path:
+    """The local folder where ingestion into the URL ``url`` does its work (one per URL)."""
+    return state_paths()["data"] / "staging" / hashlib.sha256(url.encode()).hexdigest()[:16]
 
 
 @contextlib.contextmanager

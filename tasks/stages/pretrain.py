@@ -50,6 +50,7 @@ from vip_core.train.data import ShardPartition, measure_shards
 from vip_core.train.distributed import (
     all_reduce_max, broadcast_parameters, check_parameters_equal, gather_objects, rank_and_world,
 )
+from vip_core.train.pipeline import InputPipeline, mae_loss
 from vip_core.train.step import StepReport, TrainingStep
 
 if TYPE_CHECKING:
@@ -64,6 +65,7 @@ PLAN_FILE = "plan.json"
 FAULT_ENV = "VIP_INJECT_WORKER_KILL"
 MAX_FAILURES = 3
 CHECKPOINTS_KEPT = 2
+PREFETCH_STEPS = 2  # steps whose samples are drawn and decoded ahead of the one being taken
 
 
 # ------------------------------------------------------------------------------------------------ driver
@@ -83,7 +85,8 @@ def run_pretrain(
     Args:
         config: the run's configuration; ``config.synthetic`` or ``config.private`` drives the stage.
         stage: ``"synthetic"`` (DP off) or ``"private"`` (DP-AdamW, Poisson sampling, accountant).
-        data: folder of shards: webdataset tars, or parquet files with an image column.
+        data: folder of shards (a local path or an fsspec URL such as ``s3://bucket/shards``): webdataset
+            tars, or parquet files with an image column.
         output: the stage's folder: Ray Train's checkpoints, the final ``checkpoint/``, ``result.json``.
         init_checkpoint: a checkpoint to start the weights from (the private stage's warm start).
         resume: continue the run left in ``output`` (its last checkpoint); without it a run in progress
@@ -265,8 +268,9 @@ def _plan_tags(plan: dict[str, Any]) -> dict[str, Any]:
 
 
 def _worker_environment() -> dict[str, str]:
-    """The variables workers need to find vip's state and the MLflow store, also on another node."""
-    keys = ("VIP_HOME", "MLFLOW_TRACKING_URI")
+    """The variables workers need to find vip's state, the MLflow store and an S3-compatible endpoint, also on
+    another node (credentials stay with the nodes: environment, instance role or credentials file)."""
+    keys = ("VIP_HOME", "MLFLOW_TRACKING_URI", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION")
     return {key: os.environ[key] for key in keys if key in os.environ}
 
 
@@ -374,13 +378,15 @@ def _publish_checkpoint(source: Path, target: Path) -> Path:
 
 @dataclass
 class WorkerRun:
-    """What one worker holds: the stage, its plan, its block of the data and its training step."""
+    """What one worker holds: the stage, its plan, its block of the data, its training step and the input
+    pipeline that draws and decodes the step's samples ahead."""
 
     config: VipConfig
     stage: str
     plan: dict[str, Any]
     partition: ShardPartition
     step: TrainingStep
+    pipeline: InputPipeline
     resumes: int = 0
     images: float = 0.0
     seconds: float = 0.0
@@ -399,15 +405,15 @@ class WorkerRun:
         return not self.plan["private"] or self.config.privacy.log_private_statistics
 
     def batch(self, local: torch.Tensor, stream: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's inputs: the sampled local indices [k] and one row of masking noise per sample [k, L]."""
-        return local, stream.uniform((len(local), self.model.num_patches))
+        """The step's inputs: the sample's decoded images [k, 3, H, W] (uint8, from the pipeline) and one row
+        of masking noise per sample [k, L] from the step's per-sample stream."""
+        return self.pipeline.pixels(local), stream.uniform((len(local), self.model.num_patches))
 
     def loss(self, model: torch.nn.Module, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """The MAE's per-sample loss [b] of the images at local indices ``inputs[0]`` under masks ``inputs[1]``."""
-        local, noise = inputs  # local: [b], noise: [b, L]
-        device = next(model.parameters()).device
-        imgs = self.partition.images(local).to(device)  # imgs: [b, 3, H, W]
-        return model(imgs, noise=noise.to(device))[0]  # [b]
+        """The MAE's per-sample loss [b] of uint8 images ``inputs[0]`` under masks ``inputs[1]``, normalised on
+        the model's device, in the stage's precision."""
+        pixels, noise = inputs  # pixels: [b, 3, H, W] uint8, noise: [b, L]
+        return mae_loss(model, pixels, noise, self.training.precision)  # [b]
 
     def metrics(self, report: StepReport | None, rank: int) -> dict[str, float]:
         """The metrics of the step just taken: step, lr, ε (private, rank 0) and, where allowed, loss and images/s."""
@@ -448,9 +454,12 @@ def train_worker(loop_config: dict[str, Any]) -> None:
         _maybe_kill(loop_config["fault"], rank, report.step)
 
     training = run.training
-    run_steps(run.step, run.batch, run.loss, until=training.steps, on_step=on_step,
-              on_checkpoint=lambda: report_checkpoint(run, last[0] if last else None, rank, world),
-              checkpoint_every=training.checkpoint_every)
+    try:
+        run_steps(run.step, run.batch, run.loss, until=training.steps, on_step=on_step,
+                  on_checkpoint=lambda: report_checkpoint(run, last[0] if last else None, rank, world),
+                  checkpoint_every=training.checkpoint_every)
+    finally:
+        run.pipeline.close()
 
 
 def latest_stored_checkpoint(root: Path) -> Path | None:
@@ -489,8 +498,15 @@ def build_worker_run(loop_config: dict[str, Any], rank: int, world: int) -> Work
     if training.use_gpu:
         model = model.cuda()
     partition = ShardPartition(loop_config["shards"], loop_config["counts"], rank, world, config.model.img_size)
-    return WorkerRun(config=config, stage=stage, plan=plan, partition=partition,
-                     step=_training_step(model, plan, training, len(partition)))
+    step = _training_step(model, plan, training, len(partition))
+    pipeline = step.prefetch(partition.pixels, ahead=PREFETCH_STEPS, threads=decode_threads(training),
+                             pin_memory=training.use_gpu)
+    return WorkerRun(config=config, stage=stage, plan=plan, partition=partition, step=step, pipeline=pipeline)
+
+
+def decode_threads(training: TrainingConfig) -> int:
+    """Decoding threads of a worker: one per CPU it is given, at least two."""
+    return max(2, round(training.cpus_per_worker))
 
 
 def _training_step(model: torch.nn.Module, plan: dict[str, Any], training: TrainingConfig,

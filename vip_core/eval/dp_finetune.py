@@ -27,6 +27,7 @@ from vip_core.privacy.ledger import LedgerBook
 from vip_core.privacy.plan import PrivacyPlan, fingerprint_of, plan_and_charge, settle_charge
 from vip_core.privacy.randomness import RandomStream
 from vip_core.train.loop import run_steps
+from vip_core.train.precision import autocast
 from vip_core.train.schedule import Schedule
 from vip_core.train.step import PrivateStep, StepReport
 
@@ -97,7 +98,9 @@ def dp_finetune(model: EncoderClassifier, train: Dataset, settings: FinetuneSett
 
     def loss(classifier: nn.Module, indices: torch.Tensor) -> torch.Tensor:
         images, labels = _gather(train, indices)  # images: [b, 3, S, S], labels: [b]
-        return nn.functional.cross_entropy(classifier(images.to(device)), labels.to(device), reduction="none")
+        with autocast(settings.precision, device):
+            logits = classifier(images.to(device))  # [b, classes]
+        return nn.functional.cross_entropy(logits.float(), labels.to(device), reduction="none")
 
     def progress(report: StepReport) -> None:
         if report.step % max(1, plan.steps // 5) == 0:

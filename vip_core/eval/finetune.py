@@ -17,6 +17,7 @@ from torch.utils.data import Dataset
 from vip_core.eval.features import topk_accuracy
 from vip_core.eval.fit import FitSettings, fit, layer_decay_adamw, warmup_cosine_schedule
 from vip_core.eval.seeding import data_loader, generator
+from vip_core.train.precision import autocast
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +68,9 @@ def finetune(model: EncoderClassifier, train: Dataset, settings: FinetuneSetting
 
     def loss_of(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         images, labels = batch  # [N, 3, S, S], [N]
-        return nn.functional.cross_entropy(model(images.to(device)), labels.to(device))
+        with autocast(settings.precision, device):
+            logits = model(images.to(device))  # [N, classes]
+        return nn.functional.cross_entropy(logits.float(), labels.to(device))
 
     fit(model, optimizer, lambda: loader, loss_of, epochs=settings.epochs, steps_per_epoch=len(loader),
         name="fine-tune")

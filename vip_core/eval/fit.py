@@ -26,7 +26,8 @@ WARMUP_FRACTION = 0.1
 @dataclass(frozen=True, kw_only=True)
 class FitSettings:
     """What the jobs that train an encoder end to end share: ``epochs`` at ``lr`` (for fine-tuning, the base
-    rate per 256 examples) with layer-wise decay ``layer_decay`` and AdamW's ``weight_decay``."""
+    rate per 256 examples) with layer-wise decay ``layer_decay`` and AdamW's ``weight_decay``; ``precision``
+    ``"bf16"`` runs the forwards under bfloat16 autocast."""
 
     epochs: int
     lr: float
@@ -34,6 +35,7 @@ class FitSettings:
     layer_decay: float
     weight_decay: float = 0.05
     seed: int = 0
+    precision: str = "fp32"
 
 
 def layer_id(name: str, depth: int) -> int:

@@ -96,7 +96,7 @@ def _finetune(data: Path, evaluation: EvaluationConfig, model: ModelConfig, devi
     settings = FinetuneSettings(epochs=evaluation.finetune_epochs, lr=evaluation.finetune_lr,
                                 batch_size=evaluation.batch_size, layer_decay=evaluation.layer_decay,
                                 weight_decay=evaluation.finetune_weight_decay,
-                                seed=job_seed(evaluation.seed, "finetune"))
+                                seed=job_seed(evaluation.seed, "finetune"), precision=evaluation.precision)
     private = evaluation.finetune_privacy
     if not private.enabled:
         crops = torch.Generator()

@@ -29,6 +29,7 @@ supported layer whose weight is also used outside its own forward (tied weights)
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 from collections import Counter
@@ -417,26 +418,41 @@ def _add_microbatch(
         stand_ins = _stand_ins(plan, batch)
         losses = _losses(model, loss_fn, inputs, stand_ins, batch)
     plain_rules = [PlainRule(name, param) for name, param in plan.plain]
-    if losses.requires_grad:
-        _check_parameter_uses(losses, plan, tape)
-        wanted = [tape.anchor, *stand_ins.values()]
-        grads = torch.autograd.grad(losses.sum(), wanted, allow_unused=True)
-        for rule, grad in zip(plain_rules, grads[1:]):
-            rule.record_stand_in(grad)
-    rules = [rule for _, rule in tape.rules] + plain_rules
-    squared = torch.zeros(batch, device=device)
-    for rule in rules:
-        squared += rule.squared_norms(batch, device).to(device)
-    factors, finite = clip_factors(squared, max_grad_norm)
-    if not bool(finite.all()):
+    with full_float32(device):
+        if losses.requires_grad:
+            _check_parameter_uses(losses, plan, tape)
+            wanted = [tape.anchor, *stand_ins.values()]
+            grads = torch.autograd.grad(losses.sum(), wanted, allow_unused=True)
+            for rule, grad in zip(plain_rules, grads[1:]):
+                rule.record_stand_in(grad)
+        rules = [rule for _, rule in tape.rules] + plain_rules
+        squared = torch.zeros(batch, device=device)
         for rule in rules:
-            rule.zero_samples(finite)
-    for rule in rules:
-        rule.add_clipped_sum(factors, sums)
+            squared += rule.squared_norms(batch, device).to(device)
+        factors, finite = clip_factors(squared, max_grad_norm)
+        if not bool(finite.all()):
+            for rule in rules:
+                rule.zero_samples(finite)
+        for rule in rules:
+            rule.add_clipped_sum(factors, sums)
     total.examples += batch
     total.loss_sum += losses.detach().float().sum()
     total.clipped += ((squared.sqrt() > max_grad_norm) & finite).sum()
     total.non_finite += (~finite).sum()
+
+
+@contextlib.contextmanager
+def full_float32(device: torch.device) -> Iterator[None]:
+    """Per-sample norms, clip factors and clipped sums in full float32 whatever the caller enclosed the step in:
+    autocast off (a bfloat16 matmul in a norm or a sum lets a clipped sample exceed C) and, on CUDA, no TF32.
+    The backward of an autocast forward still runs in the forward's dtypes."""
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        with torch.autocast(device.type, enabled=False):
+            yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
 
 
 def clip_factors(squared_norms: torch.Tensor, max_grad_norm: float) -> tuple[torch.Tensor, torch.Tensor]:

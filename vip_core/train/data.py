@@ -3,7 +3,8 @@ streams, and decoding to ``[3, H, W]`` tensors at the model's image size.
 
 Shards are webdataset tars (``*.tar``, as ``ShardWriter`` and img2dataset write them) or, in a folder
 without tars, parquet files (``*.parquet``, img2dataset's parquet output) with an image column (``jpg``,
-``png``, ``webp`` or ``image``, bytes); rows whose image is null are skipped.
+``png``, ``webp`` or ``image``, bytes); rows whose image is null are skipped. The folder is a local path or
+any fsspec URL (``s3://bucket/shards``: :mod:`vip_core.data.storage`).
 
 Partition. The samples of all shards, in shard order, get global indices ``0 .. N-1``; worker ``r`` of
 ``W`` owns the contiguous block ``[r*N//W, (r+1)*N//W)``, so it reads only the shards that block touches
@@ -22,14 +23,15 @@ import io
 import json
 import tarfile
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterator, NamedTuple, Sequence
 
 import numpy as np
 import torch
 from PIL import Image
 
-from vip_core.data.shards import IMAGE_EXTENSIONS, list_shards
+from vip_core.data import storage
+from vip_core.data.shards import IMAGE_EXTENSIONS
+from vip_core.data.storage import Location
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -76,7 +78,7 @@ PARQUET_IMAGE_COLUMNS = ("jpg", "png", "webp", "image")
 class TarLocation:
     """Where one image's bytes are in a tar shard: the file, a byte offset and a length."""
 
-    shard: Path
+    shard: Location
     offset: int
     size: int
 
@@ -85,28 +87,28 @@ class TarLocation:
 class ParquetLocation:
     """Where one image is in a parquet shard: the file, a row group, a row in it and the image column."""
 
-    shard: Path
+    shard: Location
     row_group: int
     row: int
     column: str
 
 
-def image_locations(shard: str | Path) -> list[TarLocation] | list[ParquetLocation]:
-    """The images of one shard, in order: a tar's or a parquet file's."""
-    shard = Path(shard)
-    if shard.suffix == ".parquet":
+def image_locations(shard: Location) -> list[TarLocation] | list[ParquetLocation]:
+    """The images of one shard (a local path or URL), in order: a tar's or a parquet file's."""
+    shard = storage.as_location(shard)
+    if str(shard).endswith(".parquet"):
         return parquet_locations(shard)
     return tar_locations(shard)
 
 
-def tar_locations(shard: Path) -> list[TarLocation]:
+def tar_locations(shard: Location) -> list[TarLocation]:
     """The image members of a tar shard, one per sample (the first image of each key), in tar order.
 
     Reads only the tar headers.
     """
     locations = []
     seen_keys: set[str] = set()
-    with tarfile.open(shard, "r") as archive:
+    with storage.open_binary(shard) as handle, tarfile.open(fileobj=handle, mode="r") as archive:
         for member in archive:
             key, _, extension = member.name.rpartition("/")[2].partition(".")
             if member.isfile() and extension in IMAGE_EXTENSIONS and key not in seen_keys:
@@ -115,11 +117,15 @@ def tar_locations(shard: Path) -> list[TarLocation]:
     return locations
 
 
-def parquet_locations(shard: Path) -> list[ParquetLocation]:
+def parquet_locations(shard: Location) -> list[ParquetLocation]:
     """The non-null images of a parquet shard, reading the image column only for row groups with nulls."""
     import pyarrow.parquet as pq
 
-    parquet = pq.ParquetFile(shard)
+    with storage.open_binary(shard) as handle:
+        return _parquet_locations(shard, pq.ParquetFile(handle))
+
+
+def _parquet_locations(shard: Location, parquet) -> list[ParquetLocation]:
     names = parquet.schema_arrow.names
     column = next((name for name in PARQUET_IMAGE_COLUMNS if name in names), None)
     if column is None:
@@ -150,15 +156,15 @@ class ShardSet(NamedTuple):
             set's privacy ledger and ties a resumed run to its data.
     """
 
-    shards: list[Path]
+    shards: list[Location]
     counts: list[int]
     fingerprint: str
 
 
-def measure_shards(folder: str | Path) -> ShardSet:
-    """The shards of ``folder`` (complete tars, else parquet files), their image counts and fingerprint, in
-    one pass over the shards' headers."""
-    shards = list_shards(folder) or sorted(Path(folder).glob("*.parquet"))
+def measure_shards(folder: Location) -> ShardSet:
+    """The shards of ``folder`` (a local path or URL: complete tars, else parquet files), their image counts
+    and fingerprint, in one pass over the shards' headers."""
+    shards = storage.glob(folder, "*.tar") or storage.glob(folder, "*.parquet")
     if not shards:
         raise FileNotFoundError(f"no shards (*.tar or *.parquet) in {folder}")
     digest = hashlib.sha256()
@@ -166,14 +172,14 @@ def measure_shards(folder: str | Path) -> ShardSet:
     for shard in shards:
         locations = image_locations(shard)
         counts.append(len(locations))
-        digest.update(json.dumps([shard.stat().st_size, [_layout(loc) for loc in locations]]).encode())
+        digest.update(json.dumps([storage.file_size(shard), [_layout(loc) for loc in locations]]).encode())
         digest.update(_ends(shard))
     return ShardSet(shards, counts, digest.hexdigest()[:32])
 
 
-def _ends(shard: Path, size: int = 64 * 1024) -> bytes:
+def _ends(shard: Location, size: int = 64 * 1024) -> bytes:
     """The first and last ``size`` bytes of a file (all of it when it is smaller than twice that)."""
-    with open(shard, "rb") as handle:
+    with storage.open_binary(shard) as handle:
         head = handle.read(size)
         handle.seek(max(handle.seek(0, io.SEEK_END) - size, len(head)))
         return head + handle.read()
@@ -185,17 +191,32 @@ def _layout(location: TarLocation | ParquetLocation) -> tuple[int, int]:
     return location.row_group, location.row
 
 
-def decode_image(payload: bytes, img_size: int) -> torch.Tensor:
-    """Image bytes to a normalised ``[3, img_size, img_size]`` float tensor (resized, ImageNet statistics)."""
+def decode_pixels(payload: bytes, img_size: int) -> torch.Tensor:
+    """Image bytes to ``[3, img_size, img_size]`` uint8 RGB, resized bicubically.
+
+    A JPEG is decoded at the smallest DCT scale (1/2, 1/4, 1/8) that still covers ``img_size`` on both sides
+    (PIL's ``draft``), so a 256 px JPEG for a 64 px model decodes a quarter of the way; other formats decode
+    whole.
+    """
     with Image.open(io.BytesIO(payload)) as image:
+        image.draft("RGB", (img_size, img_size))
         rgb = image.convert("RGB")
     if rgb.size != (img_size, img_size):
         rgb = rgb.resize((img_size, img_size), Image.BICUBIC)
     pixels = torch.from_numpy(np.asarray(rgb, dtype=np.uint8).copy())  # pixels: [H, W, 3]
-    x = pixels.permute(2, 0, 1).float().div_(255.0)  # x: [3, H, W]
-    mean = torch.tensor(IMAGENET_MEAN).view(3, 1, 1)
-    std = torch.tensor(IMAGENET_STD).view(3, 1, 1)
-    return (x - mean) / std
+    return pixels.permute(2, 0, 1).contiguous()  # [3, H, W]
+
+
+def normalise(pixels: torch.Tensor) -> torch.Tensor:
+    """uint8 RGB ``[B, 3, H, W]`` to float32 with ImageNet statistics, on the pixels' device."""
+    mean = torch.tensor(IMAGENET_MEAN, device=pixels.device).view(1, 3, 1, 1)
+    std = torch.tensor(IMAGENET_STD, device=pixels.device).view(1, 3, 1, 1)
+    return (pixels.float().div_(255.0) - mean) / std  # [B, 3, H, W]
+
+
+def decode_image(payload: bytes, img_size: int) -> torch.Tensor:
+    """Image bytes to a normalised ``[3, img_size, img_size]`` float tensor (resized, ImageNet statistics)."""
+    return normalise(decode_pixels(payload, img_size).unsqueeze(0))[0]  # [3, H, W]
 
 
 class ShardPartition:
@@ -209,7 +230,7 @@ class ShardPartition:
         img_size: side of the square tensors returned.
     """
 
-    def __init__(self, shards: Sequence[str | Path], counts: Sequence[int], rank: int, world_size: int, img_size: int) -> None:
+    def __init__(self, shards: Sequence[Location], counts: Sequence[int], rank: int, world_size: int, img_size: int) -> None:
         if len(shards) != len(counts):
             raise ValueError(f"{len(shards)} shards but {len(counts)} counts")
         self.dataset_size = int(sum(counts))
@@ -226,25 +247,29 @@ class ShardPartition:
         return len(self.locations)
 
     @property
-    def shard_files(self) -> list[Path]:
+    def shard_files(self) -> list[Location]:
         """The shards this worker reads."""
-        return sorted({location.shard for location in self.locations})
+        return sorted({location.shard for location in self.locations}, key=str)
 
     def global_indices(self, local: torch.Tensor) -> torch.Tensor:
         """Local indices ``[B]`` to global sample indices ``[B]``."""
         return local + self.start
 
     def images(self, local: torch.Tensor) -> torch.Tensor:
-        """The images at local indices ``[B]``, as ``[B, 3, H, W]``."""
+        """The images at local indices ``[B]``, normalised, as ``[B, 3, H, W]`` float32."""
+        return normalise(self.pixels(local))  # [B, 3, H, W]
+
+    def pixels(self, local: torch.Tensor) -> torch.Tensor:
+        """The images at local indices ``[B]``, as ``[B, 3, H, W]`` uint8 RGB."""
         if local.numel() == 0:
-            return torch.empty(0, 3, self.img_size, self.img_size)
+            return torch.empty(0, 3, self.img_size, self.img_size, dtype=torch.uint8)
         payloads = self._read([self.locations[i] for i in local.tolist()])
-        return torch.stack([decode_image(payload, self.img_size) for payload in payloads])  # [B, 3, H, W]
+        return torch.stack([decode_pixels(payload, self.img_size) for payload in payloads])  # [B, 3, H, W]
 
     def _read(self, wanted: list[TarLocation | ParquetLocation]) -> list[bytes]:
         """The bytes of ``wanted``, opening each shard (each parquet row group) once."""
         payloads: list[bytes | None] = [None] * len(wanted)
-        by_source: dict[tuple[Path, int], list[int]] = {}
+        by_source: dict[tuple[Location, int], list[int]] = {}
         for position, location in enumerate(wanted):
             group = location.row_group if isinstance(location, ParquetLocation) else -1
             by_source.setdefault((location.shard, group), []).append(position)
@@ -256,18 +281,19 @@ class ShardPartition:
         return payloads  # type: ignore[return-value]
 
 
-def _read_tar(shard: Path, wanted: list, positions: list[int], payloads: list) -> None:
-    with open(shard, "rb") as handle:
+def _read_tar(shard: Location, wanted: list, positions: list[int], payloads: list) -> None:
+    with storage.open_binary(shard) as handle:
         for position in positions:
             handle.seek(wanted[position].offset)
             payloads[position] = handle.read(wanted[position].size)
 
 
-def _read_parquet(shard: Path, group: int, wanted: list, positions: list[int], payloads: list) -> None:
+def _read_parquet(shard: Location, group: int, wanted: list, positions: list[int], payloads: list) -> None:
     import pyarrow.parquet as pq
 
     column = wanted[positions[0]].column
-    images = pq.ParquetFile(shard).read_row_group(group, columns=[column]).column(0)
+    with storage.open_binary(shard) as handle:
+        images = pq.ParquetFile(handle).read_row_group(group, columns=[column]).column(0)
     for position in positions:
         payloads[position] = images[wanted[position].row].as_py()
 

@@ -17,9 +17,10 @@ Pre-training (the Ray worker), DP fine-tuning and the audit all call it. :class:
 variant of the same step (the synthetic stage): the mean loss's gradient over the realised batch of every
 rank, streams keyed by the public config seed, so a public run is deterministic for its config.
 
-A step asks two functions of its caller: ``batch(local_indices, sample_stream) -> inputs`` (light: indices
-and per-sample randomness; images are loaded by the loss one microbatch at a time) and
-``loss_fn(model, inputs) -> [b]`` per-sample losses.
+A step asks two functions of its caller: ``batch(local_indices, sample_stream) -> inputs`` (the sample's
+data, e.g. the uint8 images an :class:`~vip_core.train.pipeline.InputPipeline` decoded ahead (see
+:meth:`TrainingStep.prefetch`), or just the indices, and its per-sample randomness) and
+``loss_fn(model, inputs) -> [b]`` per-sample losses, called one microbatch at a time.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from vip_core.privacy.sampling import PoissonSampler
 from vip_core.train.distributed import (
     all_reduce_gradients, all_reduce_sum, rank_and_world, rank_noise_multiplier, trainable_parameters,
 )
+from vip_core.train.pipeline import InputPipeline, Load
 from vip_core.train.schedule import Schedule
 
 Batch = Callable[[torch.Tensor, RandomStream], Inputs]
@@ -99,11 +101,18 @@ class TrainingStep(abc.ABC):
         self.rank, self.world = rank_and_world()
         self.schedule = schedule
         self.streams = streams
-        self.sampler = PoissonSampler(local_size, sample_rate, streams.sampling)
+        self.sampler: PoissonSampler | InputPipeline = PoissonSampler(local_size, sample_rate, streams.sampling)
         self.physical_batch_size = physical_batch_size
         self.optimizer = dp_adamw(model, lr=schedule.peak_lr, betas=betas, weight_decay=weight_decay,
                                   param_groups=param_groups)
         self.taken = 0
+
+    def prefetch(self, load: Load, *, ahead: int = 2, threads: int = 2, pin_memory: bool = False) -> InputPipeline:
+        """Draws this step's Poisson samples ``ahead`` steps in advance from the same sampler and decodes them
+        with ``load`` in ``threads`` threads (:class:`~vip_core.train.pipeline.InputPipeline`); the sampler
+        state in :meth:`stream_state` stays that of the last step taken."""
+        self.sampler = InputPipeline(self.sampler, load, ahead=ahead, threads=threads, pin_memory=pin_memory)
+        return self.sampler
 
     @property
     def epsilon(self) -> float | None:

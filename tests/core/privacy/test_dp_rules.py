@@ -31,7 +31,7 @@ from vip_core.privacy.engine import UnsupportedLayerError, plan_model, privatize
 from vip_core.privacy.ledger import LedgerBook
 from vip_core.privacy.plan import PrivacyPlan, plan_privacy
 from vip_core.privacy.randomness import RandomStream, inclusion_threshold
-from vip_core.train.data import measure_shards
+from vip_core.train.data import measure_shards, normalise
 from vip_core.train.distributed import gather_objects, parameters_fingerprint
 from vip_core.train.loop import run_steps
 from vip_core.train.schedule import Schedule
@@ -230,13 +230,13 @@ def test_rule_2_ray_worker_step_divides_by_the_expected_batch_size(shards):
         gradient = privatized_gradient(run.step, batch, run.loss)
         if len(seen[0][0]) not in (0, config.private.batch_size):
             break
-    local, noise = seen[0]  # local: [k], noise: [k, L]
+    pixels, noise = seen[0]  # pixels: [k, 3, H, W] uint8, noise: [k, L]
 
     def loss_fn(model, inputs):
-        indices, rows = inputs
-        return model(run.partition.images(indices), noise=rows)[0]  # [b]
+        images, rows = inputs
+        return model(normalise(images), noise=rows)[0]  # [b]
 
-    clipped_sum = one_at_a_time_clipped_sum(reference_model, loss_fn, (local, noise), config.privacy.max_grad_norm)
+    clipped_sum = one_at_a_time_clipped_sum(reference_model, loss_fn, (pixels, noise), config.privacy.max_grad_norm)
     scale = float(clipped_sum.abs().max())
     assert torch.allclose(gradient * config.private.batch_size, clipped_sum, rtol=1e-3, atol=1e-5 * scale)
 
@@ -250,13 +250,14 @@ def _two_rank_step(rank: int, init_file: str, loop_config: dict, results: dict) 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
         run = build_worker_run(loop_config, rank, WORLD)
-        batch, seen = recording(run.batch)
+        sampled: list[torch.Tensor] = []
+        batch, seen = recording(lambda local, stream: sampled.append(local) or run.batch(local, stream))
         gradient = privatized_gradient(run.step, batch, run.loss)
         results[rank] = {
             "gradient_std": gradient.std().item(),
             "fingerprints": gather_objects(parameters_fingerprint(run.model)),
             "block": (run.partition.start, run.partition.stop),
-            "sampled": run.partition.global_indices(seen[0][0]).tolist(),
+            "sampled": run.partition.global_indices(sampled[0]).tolist(),
             "first_mask_row": seen[0][1][0].tolist() if len(seen[0][1]) else None,
         }
     finally:
@@ -375,6 +376,26 @@ def test_rule_5_the_optimiser_trains_every_trainable_parameter():
     with pytest.raises(ValueError, match="leave out trainable parameters"):
         PrivateStep(model, plan, Schedule(peak_lr=0.1, total_steps=6), physical_batch_size=2,
                     param_groups=[{"params": list(model[0].parameters())}])
+
+
+def test_rule_5_a_step_under_an_enclosing_autocast_keeps_the_sensitivity_c():
+    # A caller may wrap the whole step in bf16 autocast, not only its forward: the per-sample norms and the
+    # clipped sums must still be float32, or removing one sample can move the clipped sum by more than C.
+    torch.manual_seed(0)
+    mae, clip = build_mae(get_preset("tiny").model), 1e-3
+    imgs, noise = torch.randn(8, 3, 32, 32), torch.rand(8, 64)
+
+    def clipped_sum(indices):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            privatized_gradients(mae, lambda model, i: model(imgs[i], noise=noise[i])[0], indices,
+                                 max_grad_norm=clip, noise_multiplier=0.0, expected_batch_size=1.0,
+                                 physical_batch_size=4)
+        return torch.cat([p.grad.reshape(-1).double() for p in mae.parameters() if p.requires_grad])
+
+    everyone = clipped_sum(torch.arange(8))
+    for left_out in range(8):
+        neighbour = clipped_sum(torch.tensor([i for i in range(8) if i != left_out]))
+        assert float((everyone - neighbour).norm()) <= clip * (1 + 1e-4), f"without sample {left_out}"
 
 
 # ------------------------------------------------------------------------------------------------ rule 6

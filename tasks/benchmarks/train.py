@@ -1,0 +1,137 @@
+"""``vip bench train``: a full DP pre-training step reading real shards through the input pipeline, against
+the same step on images already in memory, and the input pipeline alone, in one process.
+
+``--images`` JPEG photographs of ``--source-side`` px (LAION-like, from the sample photographs) are written
+to webdataset shards in a temporary folder. Two copies of one MAE (``--preset``, at ``--img-size``) each take
+DP-AdamW steps (:class:`~vip_core.train.step.PrivateStep`: Poisson sampling at q = batch / images, clipping,
+noise, ledger) with the pre-training worker's loss (uint8 images normalised at step time, masks from the
+step's per-sample stream, the forward in ``--precision``):
+
+* ``in_memory``: every image decoded once beforehand; a step indexes the uint8 tensor.
+* ``shards``: the same sequence of Poisson samples (the in-memory side's sampler state, copied), each drawn ``--ahead`` steps in advance and decoded from the shards by
+  ``--decode-threads`` threads while earlier steps run (:class:`~vip_core.train.pipeline.InputPipeline`),
+  as the Ray worker does. Each block starts cold (the draws made ahead are dropped between blocks).
+
+The sides alternate in blocks of ``--steps`` steps, ``--rounds`` times, after ``--warmup`` untimed steps of
+each; images/s is realised images over wall time. ``input_ratio`` = shards / in-memory (target >= 0.95).
+``loader_images_per_s_per_proc``: the pipeline's decode alone (read, JPEG draft decode, resize, uint8) on one
+thread over every image. On a shared machine the figures are noisy: the load average is printed with them.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+TARGET_INPUT_RATIO = 0.95
+NOISE_MULTIPLIER = 1.0
+LR = 1e-4
+
+
+def bench_train(*, preset: str, img_size: int | None, batch: int, images: int, source_side: int, steps: int,
+                rounds: int, warmup: int, threads: int, decode_threads: int, ahead: int, precision: str,
+                seed: int = 0) -> dict[str, Any]:
+    """Images/s of the DP step from shards and from memory, and of the loader alone; see the module."""
+    import torch
+
+    from vip_core.config import get_preset, with_overrides
+    from vip_core.train.data import ShardPartition, measure_shards
+
+    if batch > images:
+        raise ValueError(f"--batch {batch} exceeds the {images} images")
+    config = get_preset(preset)
+    if img_size is not None:
+        config = with_overrides(config, {"model.img_size": img_size})
+    previous_threads = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        with tempfile.TemporaryDirectory(prefix="vip-bench-train-") as folder:
+            shards = measure_shards(_write_photos(Path(folder), images, source_side))
+            partition = ShardPartition(shards.shards, shards.counts, 0, 1, config.model.img_size)
+            started = time.perf_counter()
+            memory = partition.pixels(torch.arange(len(partition)))  # memory: [N, 3, S, S] uint8
+            loader_rate = len(partition) / (time.perf_counter() - started)
+            rates = _interleaved(config, partition, memory, batch=batch, steps=steps, rounds=rounds, warmup=warmup,
+                                 decode_threads=decode_threads, ahead=ahead, precision=precision, seed=seed)
+        used_threads = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(previous_threads)
+    ratio = rates["shards"] / rates["in_memory"]
+    return {
+        "benchmark": "train", "preset": preset, "img_size": config.model.img_size, "batch": batch,
+        "images": images, "source_side": source_side, "precision": precision, "steps": steps, "rounds": rounds,
+        "torch_threads": used_threads, "decode_threads": decode_threads, "ahead": ahead,
+        "step_images_per_s": round(rates["shards"], 2), "in_memory_images_per_s": round(rates["in_memory"], 2),
+        "input_ratio": round(ratio, 4), "loader_images_per_s_per_proc": round(loader_rate, 1),
+        "target_input_ratio": TARGET_INPUT_RATIO, "meets_target": ratio >= TARGET_INPUT_RATIO,
+        "load_average": round(os.getloadavg()[0], 2),
+    }
+
+
+def _write_photos(folder: Path, count: int, side: int) -> Path:
+    from tasks.fixtures.web import sample_photo
+    from vip_core.data.shards import ShardWriter, encode_image
+
+    shards = folder / "shards"
+    with ShardWriter(shards, prefix="web", samples_per_shard=256) as writer:
+        for index in range(count):
+            photo = sample_photo(index, side).resize((side, side))
+            writer.write(f"{index:06d}", {"jpg": encode_image(photo, "jpg", quality=90)})
+    return shards
+
+
+def _interleaved(config: Any, partition: Any, memory: Any, *, batch: int, steps: int, rounds: int, warmup: int,
+                 decode_threads: int, ahead: int, precision: str, seed: int) -> dict[str, float]:
+    """Images/s of each side over all its timed blocks."""
+    import torch
+
+    from vip_core.models.mae import build_mae
+
+    torch.manual_seed(seed)
+    base = build_mae(config.model)
+    in_memory, shards = _private_step(base, config, len(memory), batch), _private_step(base, config, len(memory), batch)
+    pipeline = shards.prefetch(partition.pixels, ahead=ahead, threads=decode_threads)
+    pipeline.load_state_dict(in_memory.sampler.state_dict())  # the same Poisson samples on both sides
+    sources = {"in_memory": (in_memory, lambda local: memory[local]), "shards": (shards, pipeline.pixels)}
+    totals = {name: [0, 0.0] for name in sources}
+    for attempt in range(rounds):
+        for name, (step, pixels) in sources.items():
+            _block(step, pixels, precision, warmup if attempt == 0 else 0)  # untimed warm-up
+            started = time.perf_counter()
+            totals[name][0] += _block(step, pixels, precision, steps)
+            totals[name][1] += time.perf_counter() - started
+            if name == "shards":
+                pipeline.load_state_dict(pipeline.state_dict())  # the next block starts cold
+    pipeline.close()
+    return {name: images / seconds for name, (images, seconds) in totals.items()}
+
+
+def _private_step(base: Any, config: Any, dataset_size: int, batch: int) -> Any:
+    from vip_core.config import PrivacyConfig
+    from vip_core.privacy.plan import plan_privacy
+    from vip_core.train.schedule import Schedule
+    from vip_core.train.step import PrivateStep
+
+    budget = PrivacyConfig(noise_multiplier=NOISE_MULTIPLIER, max_grad_norm=1.0, target_epsilon=1e9, delta=1e-5,
+                           accountant="rdp")
+    plan = plan_privacy(budget, dataset_size=dataset_size, batch_size=batch, steps=100_000, fingerprint="bench")
+    return PrivateStep(copy.deepcopy(base), plan, Schedule(peak_lr=LR, total_steps=100_000, kind="constant"),
+                       physical_batch_size=config.private.physical_batch_size)
+
+
+def _block(step: Any, pixels: Any, precision: str, count: int) -> int:
+    """Takes ``count`` steps with images from ``pixels(local)``; returns the images they used."""
+    from vip_core.train.pipeline import mae_loss
+
+    def batch(local: Any, stream: Any) -> tuple[Any, Any]:
+        return pixels(local), stream.uniform((len(local), step.model.num_patches))  # [k, 3, S, S], [k, L]
+
+    def loss(model: Any, inputs: tuple[Any, Any]) -> Any:
+        return mae_loss(model, *inputs, precision)  # [b]
+
+    return sum(step(batch, loss).examples for _ in range(count))

@@ -1,0 +1,120 @@
+"""The input pipeline: samples drawn ahead are the samples an unprefetched run draws (rule 1), a checkpoint
+holds the sampler as of the last step taken so a resume draws the same sequence, decoding runs ahead in
+threads with bounded memory, and JPEGs decode at reduced scale."""
+
+from __future__ import annotations
+
+import io
+import threading
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from vip_core.data.shards import encode_image
+from vip_core.privacy.randomness import RandomStream
+from vip_core.privacy.sampling import PoissonSampler
+from vip_core.train.data import decode_pixels
+from vip_core.train.pipeline import InputPipeline
+from vip_core.train.step import PrivateStep
+
+
+def sampler(entropy: int = 7) -> PoissonSampler:
+    return PoissonSampler(200, 0.1, RandomStream(entropy, 0, "sampling"))
+
+
+def fake_pixels(local: torch.Tensor) -> torch.Tensor:
+    """Each index's image is filled with the index (mod 256): uint8 [k, 3, 2, 2]."""
+    return (local % 256).to(torch.uint8).view(-1, 1, 1, 1).expand(-1, 3, 2, 2).clone()
+
+
+def test_prefetched_samples_are_the_unprefetched_samples_in_order():
+    plain = sampler()
+    expected = [plain.sample() for _ in range(8)]
+    pipeline = InputPipeline(sampler(), fake_pixels, ahead=2, threads=3)
+    for want in expected:
+        local = pipeline.sample()
+        assert torch.equal(local, want)
+        assert torch.equal(pipeline.pixels(local), fake_pixels(want))
+    pipeline.close()
+
+
+def test_a_checkpoint_holds_the_sampler_of_the_last_step_taken_and_a_resume_draws_the_same_sequence():
+    uninterrupted = InputPipeline(sampler(), fake_pixels, ahead=2)
+    sequence = [uninterrupted.sample() for _ in range(7)]
+    first = InputPipeline(sampler(), fake_pixels, ahead=2)
+    for _ in range(3):
+        first.sample()
+    saved = first.state_dict()
+    assert saved["steps_drawn"] == 3 and first.sampler.steps_drawn == 5  # two steps were drawn ahead
+    resumed = InputPipeline(sampler(entropy=99), fake_pixels, ahead=2)
+    resumed.load_state_dict(saved)
+    assert all(torch.equal(resumed.sample(), want) for want in sequence[3:])
+    for pipeline in (uninterrupted, first, resumed):
+        pipeline.close()
+
+
+def test_a_private_step_resumed_from_its_stream_state_continues_the_uninterrupted_samples(regression):
+    plan = regression.plan(1e9, steps=8)
+
+    def step() -> PrivateStep:
+        built = regression.step(plan)
+        built.prefetch(fake_pixels, ahead=2)
+        return built
+
+    original = step()
+    drawn = [original.sampler.sample() for _ in range(2)]
+    state = original.stream_state()
+    continued = [original.sampler.sample() for _ in range(3)]
+    resumed = step()
+    resumed.sampler.load_state_dict(state["sampler"])
+    assert len(drawn) == 2 and all(torch.equal(resumed.sampler.sample(), want) for want in continued)
+    assert resumed.sampler.sample_rate == resumed.ledger.sample_rate == plan.sample_rate
+
+
+def test_decoding_runs_ahead_in_threads_and_at_most_ahead_steps_wait():
+    threads, loads, release = set(), [], threading.Event()
+
+    def load(local: torch.Tensor) -> torch.Tensor:
+        threads.add(threading.current_thread().name)
+        loads.append(local)
+        release.wait(5)
+        return fake_pixels(local)
+
+    pipeline = InputPipeline(sampler(), load, ahead=2, threads=2)
+    local = pipeline.sample()
+    assert pipeline.sampler.steps_drawn == 3  # the step taken and two ahead, no more
+    release.set()
+    pipeline.pixels(local)
+    pipeline.sample()
+    assert pipeline.sampler.steps_drawn == 4
+    pipeline.close()
+    assert threads and all(name.startswith("vip-input") for name in threads)
+
+
+def test_an_empty_sample_gives_no_images():
+    pipeline = InputPipeline(PoissonSampler(10, 2.0**-40, RandomStream(1, 0, "sampling")), fake_pixels)
+    local = pipeline.sample()
+    assert len(local) == 0 and pipeline.pixels(local).shape == (0, 3, 2, 2)
+    pipeline.close()
+
+
+def test_pixels_of_another_sample_is_a_clear_error():
+    pipeline = InputPipeline(sampler(), fake_pixels)
+    pipeline.sample()
+    with pytest.raises(ValueError, match="other than the last one"):
+        pipeline.pixels(torch.arange(3))
+    pipeline.close()
+
+
+def test_a_jpeg_decodes_at_reduced_scale_close_to_the_full_decode():
+    rows = np.linspace(0, 255, 256, dtype=np.float32)
+    smooth = np.stack([np.add.outer(rows, rows) / 2, np.add.outer(rows, 255 - rows) / 2,
+                       np.full((256, 256), 128.0)], -1).astype(np.uint8)  # [256, 256, 3]
+    payload = encode_image(Image.fromarray(smooth), "jpg")
+    pixels = decode_pixels(payload, 64)
+    with Image.open(io.BytesIO(payload)) as image:
+        full = np.asarray(image.convert("RGB").resize((64, 64), Image.BICUBIC))  # [64, 64, 3]
+    assert pixels.dtype == torch.uint8 and pixels.shape == (3, 64, 64)
+    assert np.abs(pixels.permute(1, 2, 0).numpy().astype(int) - full.astype(int)).mean() < 3.0

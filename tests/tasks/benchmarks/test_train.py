@@ -1,0 +1,30 @@
+"""``vip bench train`` smoke test: the figures are there, as JSON and as printed lines. No timing is asserted:
+the figures are for people to read."""
+
+from __future__ import annotations
+
+import json
+
+from tasks.cli import main
+
+ARGS = ["bench", "train", "--images", "48", "--batch", "8", "--source-side", "64", "--steps", "1", "--rounds", "1",
+        "--warmup", "0"]
+
+
+def test_bench_train_prints_the_figures_as_json(capsys):
+    assert main([*ARGS, "--json", "--precision", "bf16"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    for key in ("step_images_per_s", "in_memory_images_per_s", "input_ratio", "loader_images_per_s_per_proc"):
+        assert isinstance(result[key], float) and result[key] > 0, key
+    assert result["precision"] == "bf16" and result["target_input_ratio"] == 0.95
+
+
+def test_bench_train_prints_its_figures_beside_the_in_memory_baseline(capsys):
+    assert main(ARGS) == 0
+    out = capsys.readouterr().out
+    assert "from memory" in out and "input_ratio" in out and "loader alone" in out
+
+
+def test_a_batch_larger_than_the_images_is_a_clear_error(capsys):
+    assert main(["bench", "train", "--images", "4", "--batch", "8"]) == 2
+    assert "--batch 8 exceeds the 4 images" in capsys.readouterr().err
