@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import weakref
 from collections import Counter
 from dataclasses import dataclass
@@ -444,15 +445,44 @@ def _add_microbatch(
 @contextlib.contextmanager
 def full_float32(device: torch.device) -> Iterator[None]:
     """Per-sample norms, clip factors and clipped sums in full float32 whatever the caller enclosed the step in:
-    autocast off (a bfloat16 matmul in a norm or a sum lets a clipped sample exceed C) and, on CUDA, no TF32.
-    The backward of an autocast forward still runs in the forward's dtypes."""
-    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    autocast off (a bfloat16 matmul in a norm or a sum lets a clipped sample exceed C) and IEEE float32 matmuls
+    and convolutions (no TF32 on CUDA, no bfloat16 in oneDNN on CPUs that have it). The backward of an autocast
+    forward still runs in the forward's dtypes."""
+    with _ieee_float32(), torch.autocast(device.type, enabled=False):
+        yield
+
+
+_FP32_PRECISION_LOCK = threading.Lock()
+_fp32_precision_users = 0
+_saved_fp32_precisions: list[str] = []
+
+
+def _fp32_backends() -> list[Any]:
+    """The backends whose float32 matmuls or convolutions may run at reduced precision."""
+    backends = torch.backends
+    return [b for b in (backends.cuda.matmul, backends.cudnn.conv, backends.mkldnn.matmul, backends.mkldnn.conv)
+            if hasattr(b, "fp32_precision")]
+
+
+@contextlib.contextmanager
+def _ieee_float32() -> Iterator[None]:
+    """Sets every backend's ``fp32_precision`` to ``"ieee"`` while any thread is inside (the settings are the
+    process's): the first thread in saves them, the last one out restores them."""
+    global _fp32_precision_users
+    with _FP32_PRECISION_LOCK:
+        if _fp32_precision_users == 0:
+            _saved_fp32_precisions[:] = [backend.fp32_precision for backend in _fp32_backends()]
+            for backend in _fp32_backends():
+                backend.fp32_precision = "ieee"
+        _fp32_precision_users += 1
     try:
-        with torch.autocast(device.type, enabled=False):
-            yield
+        yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+        with _FP32_PRECISION_LOCK:
+            _fp32_precision_users -= 1
+            if _fp32_precision_users == 0:
+                for backend, saved in zip(_fp32_backends(), _saved_fp32_precisions):
+                    backend.fp32_precision = saved
 
 
 def clip_factors(squared_norms: torch.Tensor, max_grad_norm: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -422,3 +422,39 @@ def test_layernorm_with_a_zero_scale_gives_the_exact_clipped_sum():
         model[1].weight.copy_(torch.tensor([0.0, 1.0, -2.0, 0.5, 1e-4, 3.0]))
         model[1].bias.copy_(torch.tensor([0.3, -1.0, 0.0, 2.0, 1.0, 0.1]))
     assert_matches_reference(model, lambda m, x: m(x).sum((1, 2)), torch.randn(5, 3, 4), max_grad_norm=0.2)
+
+
+def test_full_float32_holds_ieee_matmuls_while_any_thread_is_inside_and_then_restores_the_users_setting():
+    import threading
+
+    from vip_core.privacy.engine import full_float32
+
+    matmuls = (torch.backends.cuda.matmul, torch.backends.mkldnn.matmul)
+    before = [backend.fp32_precision for backend in matmuls]
+    torch.set_float32_matmul_precision("medium")  # a user's choice: TF32 on CUDA, bf16 in oneDNN
+    user = [backend.fp32_precision for backend in matmuls]
+    a_inside, b_inside, a_left = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def first():
+        with full_float32(torch.device("cpu")):
+            a_inside.set()
+            b_inside.wait()
+        a_left.set()
+
+    def second():
+        a_inside.wait()
+        with full_float32(torch.device("cpu")):
+            b_inside.set()
+            a_left.wait()
+            seen["inside after the first left"] = [backend.fp32_precision for backend in matmuls]
+
+    try:
+        threads = [threading.Thread(target=first), threading.Thread(target=second)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        assert seen["inside after the first left"] == ["ieee", "ieee"]
+        assert [backend.fp32_precision for backend in matmuls] == user
+    finally:
+        for backend, value in zip(matmuls, before):
+            backend.fp32_precision = value
