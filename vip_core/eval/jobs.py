@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 from torch import nn
 
-from vip_core.config import EVAL_TASKS, EvaluationConfig, ModelConfig
+from vip_core.config import EVAL_TASKS, EvaluationConfig, FinetunePrivacyConfig, ModelConfig
 from vip_core.eval.datasets import ade20k_pairs, ade20k_root, open_classification, uniform_from
 from vip_core.eval.detection import DetectionSettings, detection_eval, open_coco
 from vip_core.eval.features import extract_features
@@ -112,8 +112,7 @@ def _finetune(data: Path, evaluation: EvaluationConfig, model: ModelConfig, devi
     if ledgers is None:
         raise ValueError("evaluation.finetune_privacy.enabled: DP fine-tuning needs the folder of the privacy "
                          "ledgers, to charge the fine-tuning set")
-    # a private run's augmentation: fresh 128-bit OS entropy, like its sampling and noise
-    train = dataset.split("train", model.img_size, augment=RandomStream(private_entropy(), 0, "sample").uniform)
+    train = dataset.split("train", model.img_size, augment=dp_augmentation_stream(private).uniform)
     return _dp_finetune_job(train, val, dataset.num_classes, settings, evaluation, device, runs, Path(ledgers))
 
 
@@ -122,6 +121,12 @@ def _classifier(encoder: nn.Module, num_classes: int, seed: int) -> EncoderClass
     with seeded(job_seed(seed, "head")):
         return EncoderClassifier(encoder, num_classes)
 
+
+
+def dp_augmentation_stream(private: FinetunePrivacyConfig) -> RandomStream:
+    """DP fine-tuning's crops and flips: fresh 128-bit OS entropy like its sampling and noise, and the OS CSPRNG
+    itself in secure mode."""
+    return RandomStream(private_entropy(), 0, "sample", "secure" if private.secure_mode else "default")
 
 def _dp_finetune_job(train, val, num_classes: int, settings: FinetuneSettings, evaluation: EvaluationConfig,
                      device: torch.device, runs: Sequence[str], ledgers: Path) -> Job:

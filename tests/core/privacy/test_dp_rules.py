@@ -536,6 +536,16 @@ def test_rule_8_a_secure_plan_draws_every_stream_from_the_os_csprng():
     run_steps(step, lambda local, stream: local, regression_problem(), until=2)
 
 
+
+@pytest.mark.parametrize("secure, mode", [(False, "default"), (True, "secure")])
+def test_rule_8_dp_fine_tuning_augments_from_fresh_entropy_and_from_the_csprng_in_secure_mode(secure, mode):
+    from vip_core.config import FinetunePrivacyConfig
+    from vip_core.eval.jobs import dp_augmentation_stream
+
+    streams = [dp_augmentation_stream(FinetunePrivacyConfig(enabled=True, secure_mode=secure)) for _ in range(2)]
+    assert all(stream.mode == mode for stream in streams)
+    assert not torch.equal(streams[0].uniform((8,)), streams[1].uniform((8,)))
+
 def test_rule_8_dp_fine_tuning_noise_and_sample_are_not_a_function_of_the_public_config(tmp_path):
     from vip_core.eval.dp_finetune import dp_finetune, plan_dp_finetune
 
