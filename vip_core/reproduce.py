@@ -15,6 +15,7 @@ from paired bootstrap intervals (:mod:`vip_core.eval.paired`).
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -33,7 +34,7 @@ ARMS: dict[str, str] = {
     "nonprivate-ceiling": "MAE without DP on private images, from the random-init weights (a ceiling)",
     "raw-pixels": "the normalised pixels themselves",
 }
-# The arms trained on private images, each on its own set: the generator's seed is 1000 * (1 + index) + seed.
+# The arms trained on private images, each on its own set (ReproduceConfig.private_set_seed).
 PRIVATE_ARMS = ("dp-from-synthetic", "dp-from-random", "nonprivate-ceiling")
 
 
@@ -89,8 +90,11 @@ class ReproduceConfig(BaseModel):
         return tuple(arm for arm in ARMS if arm != "nonprivate-ceiling" or self.nonprivate_ceiling)
 
     def private_set_seed(self, arm: str, seed: int) -> int:
-        """The object generator's seed of the private set of ``arm`` at ``seed``: distinct for every pair."""
-        return 1000 * (1 + PRIVATE_ARMS.index(arm)) + seed
+        """The object generator's seed of the private set of ``arm`` at ``seed``: a hash of the experiment's name
+        and size, the arm and the seed, so that no two runs share images (the generator draws a smaller set as
+        the prefix of a larger one with the same seed, and a ledger cannot tell a prefix from new data)."""
+        key = f"{self.name}/{self.private_images}/{PRIVATE_ARMS.index(arm)}/{seed}".encode()
+        return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1
 
     def seeded(self, seed: int) -> VipConfig:
         """The pipeline config of one seed: both stages start from ``torch.manual_seed(seed)``'s weights."""

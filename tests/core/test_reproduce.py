@@ -18,9 +18,10 @@ def test_every_experiment_builds_and_round_trips(name):
 
 
 def test_every_private_run_has_its_own_data_set_and_both_stages_share_the_seed():
+    experiments = [factory() for factory in EXPERIMENTS.values()]
+    seeds = {e.private_set_seed(arm, seed) for e in experiments for arm in PRIVATE_ARMS for seed in range(1001)}
+    assert len(seeds) == len(experiments) * len(PRIVATE_ARMS) * 1001  # seed 1000 of one arm is no other arm's 0
     experiment = reproduce()
-    seeds = {experiment.private_set_seed(arm, seed) for arm in PRIVATE_ARMS for seed in range(5)}
-    assert len(seeds) == len(PRIVATE_ARMS) * 5
     config = experiment.seeded(7)
     assert config.synthetic.seed == config.private.seed == 7 and config.privacy.enabled
     assert not experiment.ceiling(7).privacy.enabled
