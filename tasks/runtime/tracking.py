@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import tempfile
 import time
 import importlib.metadata
 from numbers import Real
@@ -251,8 +250,8 @@ def set_tags(run_id: str, tags: Mapping[str, str]) -> None:
 
 
 def register_encoder(run_id: str, checkpoint: str | Path, name: str = ENCODER_MODEL_NAME) -> str:
-    """Logs the checkpoint's encoder as an MLflow PyTorch model under ``encoder/`` of the run and registers it as
-    a version of ``name``.
+    """Logs the checkpoint's encoder as an MLflow PyTorch model of the run (a logged model, whose signature the
+    registry's page shows) and registers it as a version of ``name``.
 
     ``mlflow.pytorch.load_model("models:/<name>/<version>")`` loads it with torch alone (no vip, no timm): the
     encoder exported by ``torch.export`` (MLflow's ``pt2`` format), a module that turns ImageNet-normalised
@@ -263,6 +262,7 @@ def register_encoder(run_id: str, checkpoint: str | Path, name: str = ENCODER_MO
     Returns:
         The new version number.
     """
+    import mlflow
     import mlflow.pytorch
 
     from vip_core.models.checkpoint import checkpoint_file, load_checkpoint, load_encoder
@@ -273,18 +273,17 @@ def register_encoder(run_id: str, checkpoint: str | Path, name: str = ENCODER_MO
     published = published_entries(load_checkpoint(file))
     encoder = load_encoder(file).eval()
     images = _example_images(encoder)
-    with tempfile.TemporaryDirectory() as folder:
-        model = Path(folder) / "encoder"
-        mlflow.pytorch.save_model(encoder, str(model), serialization_format="pt2", input_example=images,
-                                  signature=_encoder_signature(encoder, images), metadata=published,
-                                  pip_requirements=_requirements("torch"))
-        client().log_artifacts(run_id, str(model), "encoder")
+    logged = mlflow.initialize_logged_model(name="encoder", source_run_id=run_id,
+                                            experiment_id=client().get_run(run_id).info.experiment_id)
+    mlflow.pytorch.log_model(encoder, name="encoder", model_id=logged.model_id, serialization_format="pt2",
+                             input_example=images, signature=_encoder_signature(encoder, images), metadata=published,
+                             pip_requirements=_requirements("torch"))
     with contextlib.suppress(MlflowException):
         client().create_registered_model(
             name, description="ViP encoders: MAE ViT encoders pre-trained with DP-AdamW (mlflow.pytorch models).")
     version = client().create_model_version(
-        name, source=f"runs:/{run_id}/encoder", run_id=run_id, tags=ledger_tags(published.get("ledger")),
-        description=f"the encoder of {file} (run {run_id})",
+        name, source=f"models:/{logged.model_id}", run_id=run_id, model_id=logged.model_id,
+        tags=ledger_tags(published.get("ledger")), description=f"the encoder of {file} (run {run_id})",
     )
     return str(version.version)
 

@@ -137,6 +137,17 @@ def test_the_model_version_carries_the_privacy_ledger_and_no_other_private_value
     assert "0.731" not in json.dumps(metadata), "the training loss stays out"
 
 
+
+def test_the_model_version_is_a_logged_model_of_the_run_with_its_signature(registered):
+    # MLflow's model-version page shows the schema of the version's logged model (empty without one)
+    _, version = registered
+    found = tracking.client().get_model_version(tracking.ENCODER_MODEL_NAME, version)
+    assert found.source.startswith("models:/m-")
+    logged = tracking.client().get_logged_model(found.source.removeprefix("models:/"))
+    assert logged.source_run_id == found.run_id and str(logged.status) == "READY"
+    info = mlflow.models.get_model_info(found.source)
+    assert info.signature.outputs.to_dict()[0]["tensor-spec"]["shape"] == (-1, tiny().model.embed_dim)
+
 def test_register_encoder_names_a_missing_checkpoint(tmp_path):
     run_id = tracking.start_run("vip-pipeline/missing")
     with pytest.raises(FileNotFoundError, match="checkpoint: no such file"):
