@@ -176,12 +176,30 @@ class TrainingConfig(_Frozen):
     cpus_per_worker: float = Field(1.0, gt=0)
     use_gpu: bool = False
     precision: Literal["fp32", "bf16"] = "fp32"
+    augmentation: Literal["none", "rrc_flip"] = Field(
+        "none", description="rrc_flip: a random resized crop and a horizontal flip per sample (the paper's recipe)")
+    crop_scale: tuple[float, float] = Field((0.2, 1.0), description="rrc_flip: range of the crop's area fraction")
+    crop_ratio: tuple[float, float] = Field((3 / 4, 4 / 3), description="rrc_flip: range of the crop's aspect ratio")
 
     @field_validator("betas")
     @classmethod
     def _betas_in_range(cls, value: tuple[float, float]) -> tuple[float, float]:
         if not all(0.0 <= b < 1.0 for b in value):
             raise ValueError(f"each beta must lie in [0, 1), got {value}")
+        return value
+
+    @field_validator("crop_scale")
+    @classmethod
+    def _scale_is_a_fraction_range(cls, value: tuple[float, float]) -> tuple[float, float]:
+        if not 0.0 < value[0] <= value[1] <= 1.0:
+            raise ValueError(f"must satisfy 0 < low <= high <= 1, got {value}")
+        return value
+
+    @field_validator("crop_ratio")
+    @classmethod
+    def _ratio_is_a_positive_range(cls, value: tuple[float, float]) -> tuple[float, float]:
+        if not 0.0 < value[0] <= value[1]:
+            raise ValueError(f"must satisfy 0 < low <= high, got {value}")
         return value
 
     @model_validator(mode="after")
@@ -286,7 +304,7 @@ def _paper_private_stage(**overrides: Any) -> TrainingConfig:
     recipe = dict(
         batch_size=98_304, physical_batch_size=128, steps=6_000, base_lr=1.5e-5, betas=(0.9, 0.95),
         weight_decay=0.005, warmup_steps=120, schedule="cosine", checkpoint_every=100,
-        num_workers=8, use_gpu=True, precision="bf16",
+        num_workers=8, use_gpu=True, precision="bf16", augmentation="rrc_flip",
     )
     return TrainingConfig(**{**recipe, **overrides})
 
@@ -295,6 +313,7 @@ def _paper_synthetic_stage() -> TrainingConfig:
     return TrainingConfig(
         batch_size=4_096, physical_batch_size=256, steps=10_000, base_lr=1.5e-4, weight_decay=0.05,
         warmup_steps=400, checkpoint_every=500, num_workers=8, use_gpu=True, precision="bf16",
+        augmentation="rrc_flip",
     )
 
 

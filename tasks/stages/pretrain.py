@@ -46,6 +46,7 @@ from tasks.runtime.environment import state_paths
 from tasks.runtime.names import PRETRAIN_STAGES
 from vip_core.atomic import atomic_path, write_json
 from vip_core.config import TrainingConfig, VipConfig, validate_config
+from vip_core.train.augment import draw_crop_flips
 from vip_core.train.data import ShardPartition, measure_shards
 from vip_core.train.distributed import (
     all_reduce_max, broadcast_parameters, check_parameters_equal, gather_objects, rank_and_world,
@@ -404,16 +405,21 @@ class WorkerRun:
         """Whether values computed from the data and not privatized may leave the worker."""
         return not self.plan["private"] or self.config.privacy.log_private_statistics
 
-    def batch(self, local: torch.Tensor, stream: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's inputs: the sample's decoded images [k, 3, H, W] (uint8, from the pipeline) and one row
-        of masking noise per sample [k, L] from the step's per-sample stream."""
-        return self.pipeline.pixels(local), stream.uniform((len(local), self.model.num_patches))
+    def batch(self, local: torch.Tensor, stream: Any) -> tuple[torch.Tensor, ...]:
+        """The step's inputs: the sample's decoded images [k, 3, H, W] (uint8, from the pipeline), one row of
+        masking noise per sample [k, L] and, with ``augmentation: rrc_flip``, one crop box and flip per sample
+        [k, 5], both from the step's per-sample stream."""
+        pixels, noise = self.pipeline.pixels(local), stream.uniform((len(local), self.model.num_patches))
+        if self.training.augmentation == "none":
+            return pixels, noise
+        crops = draw_crop_flips(stream, len(local), scale=self.training.crop_scale, ratio=self.training.crop_ratio)
+        return pixels, noise, crops
 
-    def loss(self, model: torch.nn.Module, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """The MAE's per-sample loss [b] of uint8 images ``inputs[0]`` under masks ``inputs[1]``, normalised on
-        the model's device, in the stage's precision."""
-        pixels, noise = inputs  # pixels: [b, 3, H, W] uint8, noise: [b, L]
-        return mae_loss(model, pixels, noise, self.training.precision)  # [b]
+    def loss(self, model: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The MAE's per-sample loss [b] of uint8 images ``inputs[0]`` under masks ``inputs[1]`` (cropped and
+        flipped by ``inputs[2]`` when there is one), normalised on the model's device, in the stage's precision."""
+        pixels, noise, *crops = inputs  # pixels: [b, 3, H, W] uint8, noise: [b, L], crops: [] or [[b, 5]]
+        return mae_loss(model, pixels, noise, self.training.precision, *crops)  # [b]
 
     def metrics(self, report: StepReport | None, rank: int) -> dict[str, float]:
         """The metrics of the step just taken: step, lr, ε (private, rank 0) and, where allowed, loss and images/s."""
