@@ -96,7 +96,8 @@ def run_pretrain(
 
     Returns:
         ``checkpoint`` (final checkpoint folder), ``steps``, ``epsilon`` (the data set's composed ε; None for
-        the synthetic stage), ``images_per_s`` and ``peak_rss_mb`` (largest resident set of any worker; both
+        the synthetic stage), ``epsilon_pld`` (the tight PLD ε, beside a plan accounted by RDP),
+        ``images_per_s`` and ``peak_rss_mb`` (largest resident set of any worker; both
         left out of a private stage with ``privacy.log_private_statistics`` off) and more.
     """
     training = stage_training(config, stage)
@@ -177,6 +178,9 @@ def stage_plan(config: VipConfig, stage: str, data: "ShardSet", output: Path, co
         privacy = _private_plan(config, dataset_size, fingerprint, run, stored)
         plan = {"private": True, "run": run, "dataset_size": dataset_size, "fingerprint": fingerprint,
                 "sample_rate": privacy.sample_rate, "privacy": privacy.to_dict()}
+        log.info("private stage planned: N %d, q %.3g, sigma %.4g, delta %.3g, %d steps: %s", dataset_size,
+                 privacy.sample_rate, privacy.noise_multiplier, privacy.delta, privacy.steps,
+                 privacy.describe_epsilon())
     else:
         training = stage_training(config, stage)
         if training.batch_size > dataset_size:
@@ -336,6 +340,7 @@ def _summarise(result: Any, loop_config: dict, output: Path, stage: str, run_id:
         "training_checkpoint": str(result.checkpoint.path),
         "steps": steps,
         "epsilon": metrics.get("epsilon") if plan["private"] else None,
+        **_tight_epsilon(plan, steps),
         "delta": privacy.get("delta"),
         "noise_multiplier": privacy.get("noise_multiplier"),
         "sample_rate": plan["sample_rate"],
@@ -350,6 +355,14 @@ def _summarise(result: Any, loop_config: dict, output: Path, stage: str, run_id:
     }
     write_json(output / RESULT_FILE, summary)
     return {key: value for key, value in summary.items() if key != "config"}
+
+
+def _tight_epsilon(plan: dict[str, Any], steps: int) -> dict[str, float]:
+    """``epsilon_pld``, the tight ε after ``steps`` steps, when the private plan is accounted by RDP (the paper's)."""
+    from vip_core.privacy.plan import PrivacyPlan
+
+    tight = PrivacyPlan.from_dict(plan["privacy"]).tight_epsilon(steps) if plan["private"] else None
+    return {} if tight is None else {"epsilon_pld": tight}
 
 
 def _settle(plan: dict[str, Any], steps: int) -> None:
