@@ -27,7 +27,7 @@ EVAL_DATA_FOLDERS: dict[str, str] = {
 EVAL_TASK_FIELDS: dict[str, tuple[str, ...]] = {
     "linprobe": ("linprobe_last_blocks", "linprobe_epochs", "linprobe_lr", "linprobe_optimizer", "batch_size", "seed"),
     "finetune": ("finetune_epochs", "finetune_lr", "finetune_weight_decay", "finetune_privacy", "layer_decay",
-                 "finetune_drop_path", "finetune_label_smoothing", "finetune_mixup", "finetune_cutmix",
+                 "finetune_drop_path", "finetune_label_smoothing", "finetune_mixup", "finetune_cutmix", "precision",
                  "batch_size", "seed"),
     "fewshot": ("linprobe_last_blocks", "fewshot_shots", "fewshot_seeds", "fewshot_l2", "batch_size", "seed"),
     "coco": ("detection_epochs", "detection_img_size", "detection_channels", "detection_lr", "layer_decay",
