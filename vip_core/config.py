@@ -27,7 +27,8 @@ EVAL_DATA_FOLDERS: dict[str, str] = {
 EVAL_TASK_FIELDS: dict[str, tuple[str, ...]] = {
     "linprobe": ("linprobe_last_blocks", "linprobe_epochs", "linprobe_lr", "linprobe_optimizer", "batch_size", "seed"),
     "finetune": ("finetune_epochs", "finetune_lr", "finetune_weight_decay", "finetune_privacy", "layer_decay",
-                 "finetune_drop_path", "finetune_label_smoothing", "finetune_mixup", "finetune_cutmix", "precision",
+                 "finetune_drop_path", "finetune_label_smoothing", "finetune_mixup", "finetune_cutmix",
+                 "finetune_randaugment", "precision",
                  "batch_size", "seed"),
     "fewshot": ("linprobe_last_blocks", "fewshot_shots", "fewshot_seeds", "fewshot_l2", "batch_size", "seed"),
     "coco": ("detection_epochs", "detection_img_size", "detection_channels", "detection_lr", "layer_decay",
@@ -256,6 +257,8 @@ class EvaluationConfig(_Frozen):
     finetune_label_smoothing: float = Field(0.0, ge=0, lt=1)
     finetune_mixup: float = Field(0.0, ge=0, description="mixup's Beta alpha, 0: off (left off in DP fine-tuning)")
     finetune_cutmix: float = Field(0.0, ge=0, description="cutmix's Beta alpha, 0: off (left off in DP fine-tuning)")
+    finetune_randaugment: int = Field(0, ge=0, le=10, description="RandAugment's magnitude (of 10), 2 operations "
+                                                                 "per training image; 0: off")
     layer_decay: float = Field(0.75, gt=0, le=1)
     fewshot_shots: tuple[int, ...] = (1, 5, 10)
     fewshot_seeds: int = Field(3, gt=0)
@@ -326,11 +329,12 @@ def _paper_synthetic_stage() -> TrainingConfig:
 def _paper_evaluation(depth: int) -> EvaluationConfig:
     """The official MAE/ViP evaluation recipes: a LARS linear probe (base lr 0.1, 90 epochs) on every block's
     pooled features; fine-tuning for 100 epochs at base lr 5e-4, layer decay 0.65, drop path 0.1, mixup 0.8,
-    cutmix 1.0, label smoothing 0.1 (docs/pretraining.md lists what is left out)."""
+    cutmix 1.0, label smoothing 0.1, RandAugment at magnitude 9 (docs/pretraining.md lists what is left out)."""
     return EvaluationConfig(
         linprobe_last_blocks=depth, linprobe_epochs=90, linprobe_lr=0.1, linprobe_optimizer="lars",
         finetune_epochs=100, finetune_lr=5e-4, finetune_weight_decay=0.05, layer_decay=0.65,
         finetune_drop_path=0.1, finetune_mixup=0.8, finetune_cutmix=1.0, finetune_label_smoothing=0.1,
+        finetune_randaugment=9,
     )
 
 

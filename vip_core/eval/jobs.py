@@ -104,7 +104,8 @@ def _finetune(data: Path, evaluation: EvaluationConfig, model: ModelConfig, devi
     private = evaluation.finetune_privacy
     if not private.enabled:
         crops, drops = torch.Generator(), torch.Generator()
-        train = dataset.split("train", model.img_size, augment=uniform_from(crops))
+        train = dataset.split("train", model.img_size, augment=uniform_from(crops),
+                              randaugment=evaluation.finetune_randaugment)
 
         def job(encoder: nn.Module) -> dict[str, float]:
             crops.manual_seed(job_seed(settings.seed, "crops"))  # both encoders see the same crops and flips
@@ -122,7 +123,8 @@ def _finetune(data: Path, evaluation: EvaluationConfig, model: ModelConfig, devi
         logger.warning("evaluation.finetune_mixup and finetune_cutmix are left off in DP fine-tuning: they mix "
                        "samples, which per-sample clipping does not bound")
     # a private run's augmentation: fresh 128-bit OS entropy, like its sampling and noise
-    train = dataset.split("train", model.img_size, augment=RandomStream(private_entropy(), 0, "sample").uniform)
+    train = dataset.split("train", model.img_size, augment=RandomStream(private_entropy(), 0, "sample").uniform,
+                          randaugment=evaluation.finetune_randaugment)
     return _dp_finetune_job(train, val, dataset.num_classes, settings, evaluation, device, runs, Path(ledgers))
 
 

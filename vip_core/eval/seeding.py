@@ -9,7 +9,7 @@ config's seed and the job's name (:func:`job_seed`):
   every :func:`data_loader` (a ``DataLoader`` without one draws its workers' base seed from the global
   generator), and a numpy generator (:func:`numpy_generator`) for its mixup and cutmix;
 * for what can only draw from the global generator (a module's initialisation, torchvision's detection
-  samplers), a block under :func:`seeded`: the global generator seeded for the block and restored after
+  samplers and RandAugment), a block under :func:`seeded`: the global generator seeded for the block and restored after
   it, under one lock of the process, so no other job draws from it meanwhile.
 
 Evaluation code draws from the global generator nowhere else, so a job's numbers are the same alone or

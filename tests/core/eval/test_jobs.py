@@ -56,7 +56,7 @@ def test_dp_finetune_reports_the_privacy_spent_within_the_target(digits, tmp_pat
 
 
 PAPER_REGULARISERS = {"finetune_drop_path": 0.1, "finetune_mixup": 0.8, "finetune_cutmix": 1.0,
-                      "finetune_label_smoothing": 0.1, "finetune_epochs": 1}
+                      "finetune_label_smoothing": 0.1, "finetune_randaugment": 9, "finetune_epochs": 1}
 
 
 def test_public_finetuning_with_the_papers_regularisers_is_deterministic_for_its_seed(digits):

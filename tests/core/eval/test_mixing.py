@@ -15,7 +15,7 @@ from vip_core.eval.mixing import DropPath, mix_batch, set_drop_path, soft_cross_
 from vip_core.eval.seeding import numpy_generator
 from vip_core.models import build_encoder
 
-RECIPE = ("finetune_drop_path", "finetune_label_smoothing", "finetune_mixup", "finetune_cutmix")
+RECIPE = ("finetune_drop_path", "finetune_label_smoothing", "finetune_mixup", "finetune_cutmix", "finetune_randaugment")
 
 
 def batch(count: int = 6, classes: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,6 +112,6 @@ def test_the_paper_presets_follow_the_official_evaluation_recipes_and_tiny_keeps
         assert evaluation.linprobe_last_blocks == preset.model.depth
         assert (evaluation.linprobe_epochs, evaluation.linprobe_lr, evaluation.linprobe_optimizer) == (90, 0.1, "lars")
         assert evaluation.layer_decay == 0.65
-        assert [getattr(evaluation, field) for field in RECIPE] == [0.1, 0.1, 0.8, 1.0]
-    assert [getattr(tiny().evaluation, field) for field in RECIPE] == [0.0, 0.0, 0.0, 0.0]
+        assert [getattr(evaluation, field) for field in RECIPE] == [0.1, 0.1, 0.8, 1.0, 9]
+    assert [getattr(tiny().evaluation, field) for field in RECIPE] == [0.0, 0.0, 0.0, 0.0, 0]
     assert set(RECIPE) <= set(EVAL_TASK_FIELDS["finetune"])
