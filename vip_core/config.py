@@ -27,6 +27,8 @@ EVAL_DATA_FOLDERS: dict[str, str] = {
 EVAL_TASK_FIELDS: dict[str, tuple[str, ...]] = {
     "linprobe": ("linprobe_last_blocks", "linprobe_epochs", "linprobe_lr", "linprobe_optimizer", "batch_size", "seed"),
     "finetune": ("finetune_epochs", "finetune_lr", "finetune_weight_decay", "finetune_privacy", "layer_decay",
+                 "finetune_drop_path", "finetune_label_smoothing", "finetune_mixup", "finetune_cutmix",
+                 "finetune_randaugment", "precision",
                  "batch_size", "seed"),
     "fewshot": ("linprobe_last_blocks", "fewshot_shots", "fewshot_seeds", "fewshot_l2", "batch_size", "seed"),
     "coco": ("detection_epochs", "detection_img_size", "detection_channels", "detection_lr", "layer_decay",
@@ -176,12 +178,30 @@ class TrainingConfig(_Frozen):
     cpus_per_worker: float = Field(1.0, gt=0)
     use_gpu: bool = False
     precision: Literal["fp32", "bf16"] = "fp32"
+    augmentation: Literal["none", "rrc_flip"] = Field(
+        "none", description="rrc_flip: a random resized crop and a horizontal flip per sample (the paper's recipe)")
+    crop_scale: tuple[float, float] = Field((0.2, 1.0), description="rrc_flip: range of the crop's area fraction")
+    crop_ratio: tuple[float, float] = Field((3 / 4, 4 / 3), description="rrc_flip: range of the crop's aspect ratio")
 
     @field_validator("betas")
     @classmethod
     def _betas_in_range(cls, value: tuple[float, float]) -> tuple[float, float]:
         if not all(0.0 <= b < 1.0 for b in value):
             raise ValueError(f"each beta must lie in [0, 1), got {value}")
+        return value
+
+    @field_validator("crop_scale")
+    @classmethod
+    def _scale_is_a_fraction_range(cls, value: tuple[float, float]) -> tuple[float, float]:
+        if not 0.0 < value[0] <= value[1] <= 1.0:
+            raise ValueError(f"must satisfy 0 < low <= high <= 1, got {value}")
+        return value
+
+    @field_validator("crop_ratio")
+    @classmethod
+    def _ratio_is_a_positive_range(cls, value: tuple[float, float]) -> tuple[float, float]:
+        if not 0.0 < value[0] <= value[1]:
+            raise ValueError(f"must satisfy 0 < low <= high, got {value}")
         return value
 
     @model_validator(mode="after")
@@ -232,6 +252,13 @@ class EvaluationConfig(_Frozen):
     finetune_lr: float = Field(1e-3, gt=0)
     finetune_weight_decay: float = Field(0.05, ge=0)
     finetune_privacy: FinetunePrivacyConfig = FinetunePrivacyConfig()
+    finetune_drop_path: float = Field(0.0, ge=0, lt=1, description="stochastic depth of the last block (linear "
+                                                                   "from 0 at the first)")
+    finetune_label_smoothing: float = Field(0.0, ge=0, lt=1)
+    finetune_mixup: float = Field(0.0, ge=0, description="mixup's Beta alpha, 0: off (left off in DP fine-tuning)")
+    finetune_cutmix: float = Field(0.0, ge=0, description="cutmix's Beta alpha, 0: off (left off in DP fine-tuning)")
+    finetune_randaugment: int = Field(0, ge=0, le=10, description="RandAugment's magnitude (of 10), 2 operations "
+                                                                 "per training image; 0: off")
     layer_decay: float = Field(0.75, gt=0, le=1)
     fewshot_shots: tuple[int, ...] = (1, 5, 10)
     fewshot_seeds: int = Field(3, gt=0)
@@ -286,7 +313,7 @@ def _paper_private_stage(**overrides: Any) -> TrainingConfig:
     recipe = dict(
         batch_size=98_304, physical_batch_size=128, steps=6_000, base_lr=1.5e-5, betas=(0.9, 0.95),
         weight_decay=0.005, warmup_steps=120, schedule="cosine", checkpoint_every=100,
-        num_workers=8, use_gpu=True, precision="bf16",
+        num_workers=8, use_gpu=True, precision="bf16", augmentation="rrc_flip",
     )
     return TrainingConfig(**{**recipe, **overrides})
 
@@ -295,6 +322,19 @@ def _paper_synthetic_stage() -> TrainingConfig:
     return TrainingConfig(
         batch_size=4_096, physical_batch_size=256, steps=10_000, base_lr=1.5e-4, weight_decay=0.05,
         warmup_steps=400, checkpoint_every=500, num_workers=8, use_gpu=True, precision="bf16",
+        augmentation="rrc_flip",
+    )
+
+
+def _paper_evaluation(depth: int) -> EvaluationConfig:
+    """The official MAE/ViP evaluation recipes: a LARS linear probe (base lr 0.1, 90 epochs) on every block's
+    pooled features; fine-tuning for 100 epochs at base lr 5e-4, layer decay 0.65, drop path 0.1, mixup 0.8,
+    cutmix 1.0, label smoothing 0.1, RandAugment at magnitude 9 (docs/pretraining.md lists what is left out)."""
+    return EvaluationConfig(
+        linprobe_last_blocks=depth, linprobe_epochs=90, linprobe_lr=0.1, linprobe_optimizer="lars",
+        finetune_epochs=100, finetune_lr=5e-4, finetune_weight_decay=0.05, layer_decay=0.65,
+        finetune_drop_path=0.1, finetune_mixup=0.8, finetune_cutmix=1.0, finetune_label_smoothing=0.1,
+        finetune_randaugment=9,
     )
 
 
@@ -306,6 +346,7 @@ def _paper_preset(name: str, model: ModelConfig) -> VipConfig:
         data=DataConfig(ingest=IngestConfig(image_size=256), render=RenderConfig(num_images=21_000 * 50, size=256)),
         synthetic=_paper_synthetic_stage(),
         private=_paper_private_stage(),
+        evaluation=_paper_evaluation(model.depth),
     )
 
 

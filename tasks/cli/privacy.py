@@ -4,6 +4,8 @@
     {"epsilon": 6.83, "accountant": "pld"}
     vip privacy calibrate --target-epsilon 8 --sample-rate 0.00042 --steps 6000 --delta 2.1e-9
     {"noise_multiplier": 0.4567, "epsilon": 7.99, "accountant": "pld"}
+    vip privacy epsilon --noise-multiplier 0.48 --sample-rate 0.00042 --steps 6000 --delta 2.1e-9 --accountant rdp
+    {"epsilon": 7.99, "accountant": "rdp", "epsilon_pld": 6.83}
 """
 
 from __future__ import annotations
@@ -42,9 +44,9 @@ def _epsilon(args: argparse.Namespace) -> int:
     from tasks.cli import print_json
     from vip_core.privacy.accounting import compute_epsilon
 
-    epsilon = compute_epsilon(noise_multiplier=args.noise_multiplier, sample_rate=args.sample_rate,
-                              steps=args.steps, delta=args.delta, accountant=args.accountant)
-    print_json({"epsilon": epsilon, "accountant": args.accountant})
+    accounting = dict(sample_rate=args.sample_rate, steps=args.steps, delta=args.delta, accountant=args.accountant)
+    epsilon = compute_epsilon(noise_multiplier=args.noise_multiplier, **accounting)
+    print_json({"epsilon": epsilon, "accountant": args.accountant, **_tight(args.noise_multiplier, accounting)})
     return 0
 
 
@@ -55,5 +57,15 @@ def _calibrate(args: argparse.Namespace) -> int:
     accounting = dict(sample_rate=args.sample_rate, steps=args.steps, delta=args.delta, accountant=args.accountant)
     sigma = calibrate_noise_multiplier(target_epsilon=args.target_epsilon, **accounting)
     epsilon = compute_epsilon(noise_multiplier=sigma, **accounting)
-    print_json({"noise_multiplier": sigma, "epsilon": epsilon, "accountant": args.accountant})
+    print_json({"noise_multiplier": sigma, "epsilon": epsilon, "accountant": args.accountant,
+                **_tight(sigma, accounting)})
     return 0
+
+
+def _tight(sigma: float, accounting: dict) -> dict[str, float]:
+    """``epsilon_pld`` beside an RDP ε (loose; the ViP paper's accountant): the tight bound of the same σ."""
+    from vip_core.privacy.accounting import compute_epsilon
+
+    if accounting["accountant"] != "rdp":
+        return {}
+    return {"epsilon_pld": compute_epsilon(noise_multiplier=sigma, **{**accounting, "accountant": "pld"})}

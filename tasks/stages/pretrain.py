@@ -46,6 +46,7 @@ from tasks.runtime.environment import state_paths
 from tasks.runtime.names import PRETRAIN_STAGES
 from vip_core.atomic import atomic_path, write_json
 from vip_core.config import TrainingConfig, VipConfig, validate_config
+from vip_core.train.augment import draw_crop_flips
 from vip_core.train.data import ShardPartition, measure_shards
 from vip_core.train.distributed import (
     all_reduce_max, broadcast_parameters, check_parameters_equal, gather_objects, rank_and_world,
@@ -95,7 +96,8 @@ def run_pretrain(
 
     Returns:
         ``checkpoint`` (final checkpoint folder), ``steps``, ``epsilon`` (the data set's composed ε; None for
-        the synthetic stage), ``images_per_s`` and ``peak_rss_mb`` (largest resident set of any worker; both
+        the synthetic stage), ``epsilon_pld`` (the tight PLD ε, beside a plan accounted by RDP),
+        ``images_per_s`` and ``peak_rss_mb`` (largest resident set of any worker; both
         left out of a private stage with ``privacy.log_private_statistics`` off) and more.
     """
     training = stage_training(config, stage)
@@ -176,6 +178,9 @@ def stage_plan(config: VipConfig, stage: str, data: "ShardSet", output: Path, co
         privacy = _private_plan(config, dataset_size, fingerprint, run, stored)
         plan = {"private": True, "run": run, "dataset_size": dataset_size, "fingerprint": fingerprint,
                 "sample_rate": privacy.sample_rate, "privacy": privacy.to_dict()}
+        log.info("private stage planned: N %d, q %.3g, sigma %.4g, delta %.3g, %d steps: %s", dataset_size,
+                 privacy.sample_rate, privacy.noise_multiplier, privacy.delta, privacy.steps,
+                 privacy.describe_epsilon())
     else:
         training = stage_training(config, stage)
         if training.batch_size > dataset_size:
@@ -335,6 +340,7 @@ def _summarise(result: Any, loop_config: dict, output: Path, stage: str, run_id:
         "training_checkpoint": str(result.checkpoint.path),
         "steps": steps,
         "epsilon": metrics.get("epsilon") if plan["private"] else None,
+        **_tight_epsilon(plan, steps),
         "delta": privacy.get("delta"),
         "noise_multiplier": privacy.get("noise_multiplier"),
         "sample_rate": plan["sample_rate"],
@@ -349,6 +355,14 @@ def _summarise(result: Any, loop_config: dict, output: Path, stage: str, run_id:
     }
     write_json(output / RESULT_FILE, summary)
     return {key: value for key, value in summary.items() if key != "config"}
+
+
+def _tight_epsilon(plan: dict[str, Any], steps: int) -> dict[str, float]:
+    """``epsilon_pld``, the tight ε after ``steps`` steps, when the private plan is accounted by RDP (the paper's)."""
+    from vip_core.privacy.plan import PrivacyPlan
+
+    tight = PrivacyPlan.from_dict(plan["privacy"]).tight_epsilon(steps) if plan["private"] else None
+    return {} if tight is None else {"epsilon_pld": tight}
 
 
 def _settle(plan: dict[str, Any], steps: int) -> None:
@@ -404,16 +418,21 @@ class WorkerRun:
         """Whether values computed from the data and not privatized may leave the worker."""
         return not self.plan["private"] or self.config.privacy.log_private_statistics
 
-    def batch(self, local: torch.Tensor, stream: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's inputs: the sample's decoded images [k, 3, H, W] (uint8, from the pipeline) and one row
-        of masking noise per sample [k, L] from the step's per-sample stream."""
-        return self.pipeline.pixels(local), stream.uniform((len(local), self.model.num_patches))
+    def batch(self, local: torch.Tensor, stream: Any) -> tuple[torch.Tensor, ...]:
+        """The step's inputs: the sample's decoded images [k, 3, H, W] (uint8, from the pipeline), one row of
+        masking noise per sample [k, L] and, with ``augmentation: rrc_flip``, one crop box and flip per sample
+        [k, 5], both from the step's per-sample stream."""
+        pixels, noise = self.pipeline.pixels(local), stream.uniform((len(local), self.model.num_patches))
+        if self.training.augmentation == "none":
+            return pixels, noise
+        crops = draw_crop_flips(stream, len(local), scale=self.training.crop_scale, ratio=self.training.crop_ratio)
+        return pixels, noise, crops
 
-    def loss(self, model: torch.nn.Module, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """The MAE's per-sample loss [b] of uint8 images ``inputs[0]`` under masks ``inputs[1]``, normalised on
-        the model's device, in the stage's precision."""
-        pixels, noise = inputs  # pixels: [b, 3, H, W] uint8, noise: [b, L]
-        return mae_loss(model, pixels, noise, self.training.precision)  # [b]
+    def loss(self, model: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The MAE's per-sample loss [b] of uint8 images ``inputs[0]`` under masks ``inputs[1]`` (cropped and
+        flipped by ``inputs[2]`` when there is one), normalised on the model's device, in the stage's precision."""
+        pixels, noise, *crops = inputs  # pixels: [b, 3, H, W] uint8, noise: [b, L], crops: [] or [[b, 5]]
+        return mae_loss(model, pixels, noise, self.training.precision, *crops)  # [b]
 
     def metrics(self, report: StepReport | None, rank: int) -> dict[str, float]:
         """The metrics of the step just taken: step, lr, ε (private, rank 0) and, where allowed, loss and images/s."""

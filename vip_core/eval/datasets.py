@@ -28,6 +28,8 @@ from PIL import Image
 from torch.utils.data import Dataset
 from torchvision.transforms import v2 as T
 
+from vip_core.eval.seeding import seeded
+
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp"}
@@ -105,10 +107,35 @@ class RandomCropFlip:
         return 0, 0, height, width
 
 
-def classification_transform(img_size: int, augment: Uniform | None = None) -> Callable[[Image.Image], torch.Tensor]:
-    """:class:`RandomCropFlip` drawing from ``augment``, or without it resize and centre crop; ImageNet norm."""
+class DrawnRandAugment:
+    """torchvision's ``RandAugment`` (``OPS`` operations per image at ``magnitude`` of 10, filled with the mean
+    pixel), its draws for each image made by torch's generator seeded from ``uniform`` for that image alone
+    (under :func:`~vip_core.eval.seeding.seeded`, so no other job draws from it meanwhile)."""
+
+    OPS = 2
+    BINS = 11  # magnitudes 0..10, as timm's ``rand-m9`` counts them
+
+    def __init__(self, magnitude: int, uniform: Uniform) -> None:
+        if not 0 < magnitude < self.BINS:
+            raise ValueError(f"evaluation.finetune_randaugment: magnitude must be in 1..{self.BINS - 1}, got {magnitude}")
+        fill = [round(255 * mean) for mean in IMAGENET_MEAN]
+        self.transform = T.RandAugment(num_ops=self.OPS, magnitude=magnitude, num_magnitude_bins=self.BINS,
+                                       interpolation=T.InterpolationMode.BILINEAR, fill=fill)
+        self.uniform = uniform
+
+    def __call__(self, image: torch.Tensor) -> torch.Tensor:
+        high, low = (self.uniform((2,)) * 2**24).long().tolist()  # float32 uniforms carry 24 bits each
+        with seeded(high << 24 | low):  # 48 bits; torch's generator keeps the low 32
+            return self.transform(image)  # [3, S, S] uint8
+
+
+def classification_transform(img_size: int, augment: Uniform | None = None,
+                             randaugment: int = 0) -> Callable[[Image.Image], torch.Tensor]:
+    """:class:`RandomCropFlip` drawing from ``augment`` (then :class:`DrawnRandAugment` at magnitude
+    ``randaugment`` when it is not 0), or without it resize and centre crop; ImageNet norm."""
     if augment is not None:
         geometry = [RandomCropFlip(img_size, augment)]
+        geometry += [DrawnRandAugment(randaugment, augment)] if randaugment else []
     else:
         geometry = [T.Resize(img_size, antialias=True), T.CenterCrop(img_size)]
     return T.Compose([T.ToImage(), *geometry, T.ToDtype(torch.float32, scale=True),
@@ -155,11 +182,12 @@ class ClassificationData:
     def num_classes(self) -> int:
         return len(self.classes)
 
-    def split(self, name: str, img_size: int, augment: Uniform | None = None) -> ImageFolderDataset:
-        """``name`` is ``train`` or ``val``; ``augment``: random crops and flips drawn from it."""
+    def split(self, name: str, img_size: int, augment: Uniform | None = None, randaugment: int = 0) -> ImageFolderDataset:
+        """``name`` is ``train`` or ``val``; ``augment``: random crops and flips drawn from it, and RandAugment at
+        magnitude ``randaugment`` (0: none)."""
         folder = self.train_dir if name == "train" else self.val_dir
         class_to_idx = {name: index for index, name in enumerate(self.classes)}
-        return ImageFolderDataset(folder, class_to_idx, classification_transform(img_size, augment))
+        return ImageFolderDataset(folder, class_to_idx, classification_transform(img_size, augment, randaugment))
 
 
 def open_classification(root: str | Path) -> ClassificationData:

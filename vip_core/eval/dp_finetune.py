@@ -77,7 +77,8 @@ def dp_finetune(model: EncoderClassifier, train: Dataset, settings: FinetuneSett
     Args:
         model: the classifier (moved to ``device``).
         train: the fine-tuning set, whose items are ``(image [3, S, S], label)``.
-        settings: the fine-tuning hyperparameters (base lr per 256, layer decay, weight decay).
+        settings: the fine-tuning hyperparameters (base lr per 256, layer decay, weight decay, label smoothing;
+            mixup and cutmix are not used: they mix samples).
         private: the DP fine-tuning settings (physical batch size).
         plan: the plan from :func:`plan_dp_finetune`.
         device: where to train.
@@ -100,7 +101,8 @@ def dp_finetune(model: EncoderClassifier, train: Dataset, settings: FinetuneSett
         images, labels = _gather(train, indices)  # images: [b, 3, S, S], labels: [b]
         with autocast(settings.precision, device):
             logits = classifier(images.to(device))  # [b, classes]
-        return nn.functional.cross_entropy(logits.float(), labels.to(device), reduction="none")
+        return nn.functional.cross_entropy(logits.float(), labels.to(device), reduction="none",
+                                           label_smoothing=settings.label_smoothing)  # [b]
 
     def progress(report: StepReport) -> None:
         if report.step % max(1, plan.steps // 5) == 0:

@@ -3,6 +3,7 @@
 The classifier is the encoder, its patch tokens mean-pooled, a LayerNorm and a linear head (MAE's
 fine-tuning model). AdamW trains every trainable parameter; block ``i`` of a depth-``L`` encoder learns
 at ``lr * decay ** (L + 1 - (i + 1))``, the embeddings at ``lr * decay ** (L + 1)``, the head at ``lr``.
+Label smoothing, mixup and cutmix, and drop path follow MAE's fine-tuning recipe (:mod:`vip_core.eval.mixing`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from torch.utils.data import Dataset
 
 from vip_core.eval.features import topk_accuracy
 from vip_core.eval.fit import FitSettings, fit, layer_decay_adamw, warmup_cosine_schedule
-from vip_core.eval.seeding import data_loader, generator
+from vip_core.eval.mixing import mix_batch, soft_cross_entropy, soft_targets
+from vip_core.eval.seeding import data_loader, generator, numpy_generator
 from vip_core.train.precision import autocast
 
 logger = logging.getLogger(__name__)
@@ -41,9 +43,19 @@ class EncoderClassifier(nn.Module):
 
 @dataclass(frozen=True, kw_only=True)
 class FinetuneSettings(FitSettings):
-    """Fine-tuning hyperparameters. ``lr`` is the base rate per 256 examples of the (expected) batch."""
+    """Fine-tuning hyperparameters. ``lr`` is the base rate per 256 examples of the (expected) batch;
+    ``drop_path`` the last block's stochastic depth, ``label_smoothing`` the targets' smoothing, ``mixup`` and
+    ``cutmix`` the α of their Beta draws (0: off; public fine-tuning only), as in :mod:`vip_core.eval.mixing`."""
 
     num_workers: int = 0
+    drop_path: float = 0.0
+    label_smoothing: float = 0.0
+    mixup: float = 0.0
+    cutmix: float = 0.0
+
+    @property
+    def mixes(self) -> bool:
+        return self.mixup > 0 or self.cutmix > 0
 
 
 def build_optimizer(model: EncoderClassifier, settings: FinetuneSettings, batch_size: int,
@@ -65,12 +77,19 @@ def finetune(model: EncoderClassifier, train: Dataset, settings: FinetuneSetting
                          shuffle=True, drop_last=len(train) > settings.batch_size, num_workers=settings.num_workers)
     optimizer = fine_tuning_adamw(model, settings, settings.batch_size)
     model.to(device)
+    mixing = numpy_generator(settings.seed, "mixup")
 
     def loss_of(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        images, labels = batch  # [N, 3, S, S], [N]
+        images, labels = batch[0].to(device), batch[1].to(device)  # [N, 3, S, S], [N]
+        if not settings.mixes:
+            with autocast(settings.precision, device):
+                logits = model(images)  # [N, classes]
+            return nn.functional.cross_entropy(logits.float(), labels, label_smoothing=settings.label_smoothing)
+        targets = soft_targets(labels, model.head.out_features, settings.label_smoothing)  # [N, classes]
+        images, targets = mix_batch(images, targets, mixup=settings.mixup, cutmix=settings.cutmix, rng=mixing)
         with autocast(settings.precision, device):
-            logits = model(images.to(device))  # [N, classes]
-        return nn.functional.cross_entropy(logits.float(), labels.to(device))
+            logits = model(images)  # [N, classes]
+        return soft_cross_entropy(logits.float(), targets).mean()
 
     fit(model, optimizer, lambda: loader, loss_of, epochs=settings.epochs, steps_per_epoch=len(loader),
         name="fine-tune")

@@ -18,12 +18,13 @@ from PIL import Image
 from torch import nn
 
 from vip_core.config import EVAL_TASKS, EvaluationConfig, FinetunePrivacyConfig, ModelConfig
-from vip_core.eval.datasets import ade20k_pairs, ade20k_root, open_classification, uniform_from
+from vip_core.eval.datasets import Uniform, ade20k_pairs, ade20k_root, open_classification, uniform_from
 from vip_core.eval.detection import DetectionSettings, detection_eval, open_coco
 from vip_core.eval.features import extract_features
 from vip_core.eval.fewshot import few_shot
 from vip_core.eval.finetune import EncoderClassifier, FinetuneSettings, evaluate_classifier, finetune
 from vip_core.eval.linprobe import ProbeSettings, linear_probe
+from vip_core.eval.mixing import set_drop_path
 from vip_core.eval.seeding import job_seed, seeded
 from vip_core.eval.segmentation import SegmentationSettings, segmentation_eval
 from vip_core.privacy.randomness import RandomStream, private_entropy
@@ -96,15 +97,21 @@ def _finetune(data: Path, evaluation: EvaluationConfig, model: ModelConfig, devi
     settings = FinetuneSettings(epochs=evaluation.finetune_epochs, lr=evaluation.finetune_lr,
                                 batch_size=evaluation.batch_size, layer_decay=evaluation.layer_decay,
                                 weight_decay=evaluation.finetune_weight_decay,
-                                seed=job_seed(evaluation.seed, "finetune"), precision=evaluation.precision)
+                                seed=job_seed(evaluation.seed, "finetune"), precision=evaluation.precision,
+                                drop_path=evaluation.finetune_drop_path,
+                                label_smoothing=evaluation.finetune_label_smoothing,
+                                mixup=evaluation.finetune_mixup, cutmix=evaluation.finetune_cutmix)
     private = evaluation.finetune_privacy
     if not private.enabled:
-        crops = torch.Generator()
-        train = dataset.split("train", model.img_size, augment=uniform_from(crops))
+        crops, drops = torch.Generator(), torch.Generator()
+        train = dataset.split("train", model.img_size, augment=uniform_from(crops),
+                              randaugment=evaluation.finetune_randaugment)
 
         def job(encoder: nn.Module) -> dict[str, float]:
             crops.manual_seed(job_seed(settings.seed, "crops"))  # both encoders see the same crops and flips
-            classifier = finetune(_classifier(encoder, dataset.num_classes, settings.seed), train, settings, device)
+            drops.manual_seed(job_seed(settings.seed, "drop path"))  # and the same dropped paths
+            classifier = _classifier(encoder, dataset.num_classes, settings, uniform_from(drops))
+            classifier = finetune(classifier, train, settings, device)
             return {**evaluate_classifier(classifier, val, evaluation.batch_size, device),
                     "chance_top1": 1 / dataset.num_classes}
 
@@ -112,21 +119,28 @@ def _finetune(data: Path, evaluation: EvaluationConfig, model: ModelConfig, devi
     if ledgers is None:
         raise ValueError("evaluation.finetune_privacy.enabled: DP fine-tuning needs the folder of the privacy "
                          "ledgers, to charge the fine-tuning set")
-    train = dataset.split("train", model.img_size, augment=dp_augmentation_stream(private).uniform)
+    if settings.mixes:
+        logger.warning("evaluation.finetune_mixup and finetune_cutmix are left off in DP fine-tuning: they mix "
+                       "samples, which per-sample clipping does not bound")
+    train = dataset.split("train", model.img_size, augment=dp_augmentation_stream(private).uniform,
+                          randaugment=evaluation.finetune_randaugment)
     return _dp_finetune_job(train, val, dataset.num_classes, settings, evaluation, device, runs, Path(ledgers))
 
 
-def _classifier(encoder: nn.Module, num_classes: int, seed: int) -> EncoderClassifier:
-    """The fine-tuning classifier around ``encoder``, its head initialised from the job's seed."""
-    with seeded(job_seed(seed, "head")):
-        return EncoderClassifier(encoder, num_classes)
-
+def _classifier(encoder: nn.Module, num_classes: int, settings: FinetuneSettings, drops: Uniform) -> EncoderClassifier:
+    """The fine-tuning classifier around ``encoder``, its head initialised from the job's seed, its blocks with
+    ``settings.drop_path`` drawing from ``drops``."""
+    with seeded(job_seed(settings.seed, "head")):
+        classifier = EncoderClassifier(encoder, num_classes)
+    set_drop_path(classifier.encoder, settings.drop_path, drops)
+    return classifier
 
 
 def dp_augmentation_stream(private: FinetunePrivacyConfig) -> RandomStream:
-    """DP fine-tuning's crops and flips: fresh 128-bit OS entropy like its sampling and noise, and the OS CSPRNG
-    itself in secure mode."""
+    """DP fine-tuning's crops, flips and dropped paths: fresh 128-bit OS entropy like its sampling and noise, and
+    the OS CSPRNG itself in secure mode."""
     return RandomStream(private_entropy(), 0, "sample", "secure" if private.secure_mode else "default")
+
 
 def _dp_finetune_job(train, val, num_classes: int, settings: FinetuneSettings, evaluation: EvaluationConfig,
                      device: torch.device, runs: Sequence[str], ledgers: Path) -> Job:
@@ -147,7 +161,8 @@ def _dp_finetune_job(train, val, num_classes: int, settings: FinetuneSettings, e
         if len(taken) == len(run_ids):
             raise RuntimeError(f"DP fine-tuning was planned for {len(run_ids)} runs ({', '.join(runs)}); no budget "
                                "is left for another")
-        classifier = _classifier(encoder, num_classes, settings.seed)
+        drops = dp_augmentation_stream(private).uniform
+        classifier = _classifier(encoder, num_classes, settings, drops)
         epsilon = dp_finetune(classifier, train, settings, private, plan, device, run=run_ids[len(taken)],
                               ledgers=ledgers, earlier_runs=len(taken))
         taken.append(run_ids[len(taken)])

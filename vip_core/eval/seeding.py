@@ -5,15 +5,16 @@ torch keeps one global generator per process. Evaluation jobs run in parallel th
 other numbers from one run to the next. A job draws instead from generators of its own, keyed by the
 config's seed and the job's name (:func:`job_seed`):
 
-* ``torch.Generator`` objects (:func:`generator`) given to its shuffles, its augmentation and every
-  :func:`data_loader` (a ``DataLoader`` without one draws its workers' base seed from the global generator);
+* ``torch.Generator`` objects (:func:`generator`) given to its shuffles, its augmentation, its drop path and
+  every :func:`data_loader` (a ``DataLoader`` without one draws its workers' base seed from the global
+  generator), and a numpy generator (:func:`numpy_generator`) for its mixup and cutmix;
 * for what can only draw from the global generator (a module's initialisation, torchvision's detection
-  samplers), a block under :func:`seeded`: the global generator seeded for the block and restored after
+  samplers and RandAugment), a block under :func:`seeded`: the global generator seeded for the block and restored after
   it, under one lock of the process, so no other job draws from it meanwhile.
 
 Evaluation code draws from the global generator nowhere else, so a job's numbers are the same alone or
-beside others. DP fine-tuning keeps a private run's fresh OS entropy for its sampling, noise and
-augmentation (:mod:`vip_core.privacy.randomness`).
+beside others. DP fine-tuning keeps a private run's fresh OS entropy for its sampling, noise,
+augmentation and drop path (:mod:`vip_core.privacy.randomness`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import hashlib
 import threading
 from typing import Iterator
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
@@ -38,6 +40,12 @@ def job_seed(seed: int, *names: str) -> int:
 def generator(seed: int, *names: str) -> torch.Generator:
     """A CPU generator seeded with :func:`job_seed` of ``seed`` and ``names``."""
     return torch.Generator().manual_seed(job_seed(seed, *names))
+
+
+def numpy_generator(seed: int, *names: str) -> np.random.Generator:
+    """A numpy generator seeded with :func:`job_seed` of ``seed`` and ``names`` (for Beta draws, which torch's
+    generators do not offer)."""
+    return np.random.default_rng(job_seed(seed, *names))
 
 
 @contextlib.contextmanager

@@ -86,6 +86,22 @@ class PrivacyPlan:
         return Charge(run=run, noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate,
                       steps=self.steps if steps is None else steps, purpose=purpose)
 
+    def epsilon_by(self, accountant: str, steps: int | None = None) -> float:
+        """The data set's composed ε by ``accountant`` once ``steps`` steps of this plan are taken (every planned
+        step of every run when None)."""
+        own = Charge("planned", self.noise_multiplier, self.sample_rate,
+                     self.steps * self.runs if steps is None else steps, "planned")
+        return compose([*self.prior, own], delta=self.delta, accountant=accountant)
+
+    def tight_epsilon(self, steps: int | None = None) -> float | None:
+        """The PLD ε beside a plan accounted by RDP (loose; the ViP paper's accountant), None for another plan."""
+        return self.epsilon_by("pld", steps) if self.accountant == "rdp" else None
+
+    def describe_epsilon(self) -> str:
+        """The planned ε with its accountant, and the tight PLD one beside RDP: ``ε 7.99 (rdp; pld 6.83)``."""
+        tight = self.tight_epsilon()
+        return f"ε {self.epsilon:.2f} ({self.accountant}" + ("" if tight is None else f"; pld {tight:.2f}") + ")"
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields (for plan.json, MLflow tags and checkpoints)."""
         return {**dataclasses.asdict(self), "prior": [dataclasses.asdict(c) for c in self.prior]}

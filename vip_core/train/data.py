@@ -208,10 +208,11 @@ def decode_pixels(payload: bytes, img_size: int) -> torch.Tensor:
 
 
 def normalise(pixels: torch.Tensor) -> torch.Tensor:
-    """uint8 RGB ``[B, 3, H, W]`` to float32 with ImageNet statistics, on the pixels' device."""
+    """RGB ``[B, 3, H, W]`` in 0..255 (uint8, or float after augmentation) to float32 with ImageNet statistics,
+    on the pixels' device; ``pixels`` is left as it is."""
     mean = torch.tensor(IMAGENET_MEAN, device=pixels.device).view(1, 3, 1, 1)
     std = torch.tensor(IMAGENET_STD, device=pixels.device).view(1, 3, 1, 1)
-    return (pixels.float().div_(255.0) - mean) / std  # [B, 3, H, W]
+    return (pixels.to(torch.float32, copy=True).div_(255.0) - mean) / std  # [B, 3, H, W]
 
 
 def decode_image(payload: bytes, img_size: int) -> torch.Tensor:

@@ -6,8 +6,8 @@ next ``ahead`` steps from the step's own :class:`~vip_core.privacy.sampling.Pois
 stream, in the same order: the indices of step t are exactly those an unprefetched run draws at step t, so
 the privacy analysis is unchanged) and hands each sample's decoding to a thread pool, in chunks, as soon
 as it is drawn. The step then finds its images decoded (uint8 ``[k, 3, H, W]``, pinned when they go to a
-GPU); normalising and the per-sample randomness (masks, from the step's ``sample`` stream) happen at step
-time on the device. Memory is bounded by ``ahead + 1`` steps of uint8 images.
+GPU); normalising and the per-sample randomness (masks and crops, from the step's ``sample`` stream) happen at
+step time on the device. Memory is bounded by ``ahead + 1`` steps of uint8 images.
 
 It stands in for the step's sampler (``sample``, ``state_dict``, ``load_state_dict``), so a checkpoint holds
 the sampler state *as of the last step taken*, not of the draws made ahead: a resumed run draws the same
@@ -26,18 +26,23 @@ import torch
 from torch import nn
 
 from vip_core.privacy.sampling import PoissonSampler
+from vip_core.train.augment import apply_crop_flips
 from vip_core.train.data import normalise
 from vip_core.train.precision import autocast
 
 Load = Callable[[torch.Tensor], torch.Tensor]
 
 
-def mae_loss(model: nn.Module, pixels: torch.Tensor, noise: torch.Tensor, precision: str) -> torch.Tensor:
+def mae_loss(model: nn.Module, pixels: torch.Tensor, noise: torch.Tensor, precision: str,
+             crops: torch.Tensor | None = None) -> torch.Tensor:
     """The MAE's per-sample loss ``[b]`` (float32) of uint8 images ``pixels`` ``[b, 3, H, W]`` under masking noise
-    ``noise`` ``[b, L]``: both moved to the model's device, the images normalised there, the forward in
-    ``precision``."""
+    ``noise`` ``[b, L]``: both moved to the model's device, each image cropped and flipped there by its row of
+    ``crops`` ``[b, 5]`` when given (:mod:`vip_core.train.augment`), then normalised, the forward in ``precision``."""
     device = next(model.parameters()).device
-    imgs = normalise(pixels.to(device, non_blocking=True))  # imgs: [b, 3, H, W]
+    pixels = pixels.to(device, non_blocking=True)  # [b, 3, H, W] uint8
+    if crops is not None:
+        pixels = apply_crop_flips(pixels.float(), crops)  # [b, 3, H, W] float in 0..255
+    imgs = normalise(pixels)  # imgs: [b, 3, H, W]
     with autocast(precision, device):
         return model(imgs, noise=noise.to(device))[0].float()  # [b]
 

@@ -11,8 +11,8 @@ from PIL import Image
 
 from tasks.fixtures.eval_sets import make_ade20k_shapes, make_coco_shapes, make_digits_imagefolder
 from vip_core.eval.datasets import (
-    IGNORE_LABEL, CocoDetectionDataset, SegmentationDataset, ade20k_pairs, ade20k_root, open_classification,
-    read_coco_json, read_label_map, uniform_from,
+    IGNORE_LABEL, CocoDetectionDataset, DrawnRandAugment, SegmentationDataset, ade20k_pairs, ade20k_root,
+    classification_transform, open_classification, read_coco_json, read_label_map, uniform_from,
 )
 from vip_core.eval.detection import open_coco
 
@@ -108,3 +108,23 @@ def test_ade20k_image_without_its_annotation_is_named(tmp_path):
     next((tmp_path / "annotations" / "validation").glob("*.png")).unlink()
     with pytest.raises(FileNotFoundError, match="ADE20K annotation not found"):
         ade20k_pairs(tmp_path, "val")
+
+
+def _randaugmented(seed: int, magnitude: int = 9) -> torch.Tensor:
+    """One 40 px noise image through the training transform: crop and flip, then RandAugment at ``magnitude``."""
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (40, 40, 3), dtype=np.uint8))
+    return classification_transform(32, uniform_from(torch.Generator().manual_seed(seed)), magnitude)(image)
+
+
+def test_randaugment_draws_from_the_jobs_generator_alone_the_same_for_one_seed():
+    before = torch.random.get_rng_state()
+    first = _randaugmented(0)
+    assert torch.equal(torch.random.get_rng_state(), before)  # the global generator is left as it was
+    assert torch.equal(first, _randaugmented(0))
+    assert not torch.equal(first, _randaugmented(1))
+    assert not torch.equal(first, _randaugmented(0, magnitude=0))  # the same crop and flip, without RandAugment
+
+
+def test_a_randaugment_magnitude_outside_one_to_ten_is_refused_naming_the_field():
+    with pytest.raises(ValueError, match=r"evaluation.finetune_randaugment: magnitude must be in 1\.\.10, got 11"):
+        DrawnRandAugment(11, uniform_from(torch.Generator()))

@@ -55,6 +55,31 @@ def test_dp_finetune_reports_the_privacy_spent_within_the_target(digits, tmp_pat
     assert 0.0 <= metrics["top1"] <= metrics["top5"] <= 1.0
 
 
+PAPER_REGULARISERS = {"finetune_drop_path": 0.1, "finetune_mixup": 0.8, "finetune_cutmix": 1.0,
+                      "finetune_label_smoothing": 0.1, "finetune_randaugment": 9, "finetune_epochs": 1}
+
+
+def test_public_finetuning_with_the_papers_regularisers_is_deterministic_for_its_seed(digits):
+    config = tiny()
+    evaluation = config.evaluation.model_copy(update=PAPER_REGULARISERS)
+    first = prepare_job("finetune", digits, evaluation, config.model, CPU)(random_encoder())
+    second = prepare_job("finetune", digits, evaluation, config.model, CPU)(random_encoder())
+    assert first == second
+    other = prepare_job("finetune", digits, evaluation.model_copy(update={"seed": 1}), config.model, CPU)
+    assert other(random_encoder()) != first
+
+
+def test_dp_finetuning_leaves_mixup_and_cutmix_off_and_says_so(digits, tmp_path, caplog):
+    config = tiny()
+    private = FinetunePrivacyConfig(enabled=True, target_epsilon=8.0, batch_size=32, physical_batch_size=16, steps=2,
+                                    noise_multiplier=1.0)
+    evaluation = config.evaluation.model_copy(update={**PAPER_REGULARISERS, "finetune_privacy": private})
+    with caplog.at_level("WARNING"):
+        metrics = prepare_job("finetune", digits, evaluation, config.model, CPU, ledgers=tmp_path)(random_encoder())
+    assert "finetune_mixup and finetune_cutmix are left off in DP fine-tuning" in caplog.text
+    assert 0.0 <= metrics["top1"] <= 1.0
+
+
 @pytest.mark.parametrize("private, problem", [
     (FinetunePrivacyConfig(enabled=True, batch_size=10_000),
      r"evaluation\.finetune_privacy\.batch_size: 10000 is larger than the data set \(240 examples\)"),

@@ -312,6 +312,32 @@ def test_rule_4_every_sample_of_a_step_gets_its_own_mask_across_microbatches():
     assert len({tuple(row.tolist()) for row in rows}) == 16
 
 
+def test_rule_4_a_samples_crop_and_flip_are_its_own_and_its_loss_depends_on_that_sample_only(shards):
+    from tasks.stages.pretrain import build_worker_run
+
+    config = tiny_config(**{"private.augmentation": "rrc_flip", "private.batch_size": 8})
+    for _ in range(20):
+        run = build_worker_run(worker_loop_config(config, shards), 0, 1)
+        try:
+            local = run.pipeline.sample()
+            inputs = run.batch(local, run.step.streams.sample)  # pixels [k, 3, H, W], noise [k, L], crops [k, 5]
+        finally:
+            run.pipeline.close()
+        if len(local) >= 3:
+            break
+    pixels, noise, crops = inputs
+    assert len({tuple(row.tolist()) for row in crops}) == len(crops)  # one crop and flip per sample
+    with torch.no_grad():
+        losses = run.loss(run.model, inputs)  # [k]
+        changed = pixels.clone(), noise, crops.clone()
+        changed[0][1] = 255 - changed[0][1]
+        changed[2][1] = torch.tensor([0.0, 0.0, 0.5, 0.5, 1.0 - float(crops[1, 4])])
+        moved = run.loss(run.model, changed)  # [k]
+    others = [i for i in range(len(local)) if i != 1]
+    assert torch.allclose(moved[others], losses[others], rtol=1e-5, atol=1e-6)
+    assert not torch.isclose(moved[1], losses[1])
+
+
 # ------------------------------------------------------------------------------------------------ rule 5
 
 

@@ -28,6 +28,16 @@ def test_paper_preset_keeps_the_papers_noise_and_reports_its_rdp_epsilon():
     assert pld == pytest.approx(6.83, abs=0.01)
 
 
+def test_the_paper_presets_plan_shows_the_tight_pld_epsilon_beside_the_papers_rdp_one():
+    plan = stage_plan(get_preset("vip-base-paper"), PAPER_N)
+    assert plan.tight_epsilon() == pytest.approx(6.83, abs=0.01)
+    assert plan.epsilon_by("rdp") == plan.epsilon
+    assert plan.describe_epsilon() == "ε 7.99 (rdp; pld 6.83)"
+    assert plan.tight_epsilon(steps=3_000) < plan.tight_epsilon()
+    calibrated = stage_plan(get_preset("vip-base"), PAPER_N)
+    assert calibrated.tight_epsilon() is None and calibrated.describe_epsilon() == "ε 7.99 (pld)"
+
+
 def test_base_preset_gets_sigma_calibrated_to_epsilon_eight_for_the_measured_size():
     config = get_preset("vip-base")
     assert config.privacy.noise_multiplier is None  # not typed in

@@ -38,9 +38,10 @@ def test_epsilon_on_the_paper_setting_agrees_with_an_independent_accountant():
     assert payload["epsilon"] == pytest.approx(independent, rel=0.02)
 
 
-def test_epsilon_with_rdp_is_the_larger_bound():
+def test_epsilon_with_rdp_is_the_larger_bound_and_shows_the_tight_pld_one_beside_it():
     rdp = _one_json_object(_vip("privacy", "epsilon", "--noise-multiplier", "0.48", *PAPER, "--accountant", "rdp"))
-    assert rdp == {"epsilon": pytest.approx(7.99, abs=0.01), "accountant": "rdp"}
+    assert rdp == {"epsilon": pytest.approx(7.99, abs=0.01), "accountant": "rdp",
+                   "epsilon_pld": pytest.approx(6.83, abs=0.01)}
 
 
 def test_calibrate_returns_sigma_whose_epsilon_meets_the_target():
