@@ -10,12 +10,12 @@ small pool of decoders as soon as it is drawn. A decoder gets only local indices
 per-sample randomness (masks, from the step's ``sample`` stream) happen at step time on the device. Memory
 is bounded by ``ahead + 1`` steps of uint8 images.
 
-Decoders are processes by default (:data:`PROCESSES`): each is started fresh (``spawn``: the Ray worker has
-threads, so it is never forked), receives the ``load`` callable once (e.g. a
+Decoders are threads by default (:data:`THREADS`: they share the training process's GIL with the step's
+Python work; PIL releases it while it decodes) or processes (:data:`PROCESSES`): each is started fresh
+(``spawn``: the Ray worker has threads, so it is never forked), receives the ``load`` callable once (e.g. a
 :class:`~vip_core.train.data.ShardPartition`'s bound ``pixels``: the shard paths or URLs and where each image
 lies) and opens the shards itself; the decoded chunk comes back pickled (a copy of its uint8 bytes: 0.4 MB
-for 32 images of 64 px, far less than the decode's own work). Decoding threads (:data:`THREADS`) share the
-training process's GIL with the step's Python work (docs/scaling.md compares the two).
+for 32 images of 64 px). On a 2-core machine processes did not pay off (docs/scaling.md), hence the default.
 
 It stands in for the step's sampler (``sample``, ``state_dict``, ``load_state_dict``), so a checkpoint holds
 the sampler state *as of the last step taken*, not of the draws made ahead: a resumed run draws the same
@@ -45,7 +45,7 @@ Load = Callable[[torch.Tensor], torch.Tensor]
 PROCESSES = "processes"
 THREADS = "threads"
 DECODE_MODES = (PROCESSES, THREADS)
-DECODE_MODE = PROCESSES  # the default: threads share the step's GIL (measured in docs/scaling.md)
+DECODE_MODE = THREADS  # the default: processes were slower on 2 cores (measured in docs/scaling.md)
 DECODE_TIMEOUT_S = 600.0
 
 

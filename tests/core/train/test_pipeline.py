@@ -14,10 +14,10 @@ import pytest
 import torch
 from PIL import Image
 
-from vip_core.data.shards import encode_image
+from vip_core.data.shards import ShardWriter, encode_image
 from vip_core.privacy.randomness import RandomStream
 from vip_core.privacy.sampling import PoissonSampler
-from vip_core.train.data import decode_pixels
+from vip_core.train.data import ShardPartition, decode_pixels, measure_shards
 from vip_core.train.pipeline import DECODE_MODES, PROCESSES, THREADS, InputPipeline
 from vip_core.train.step import PrivateStep
 
@@ -44,6 +44,20 @@ def test_prefetched_samples_are_the_unprefetched_samples_in_order(mode):
         local = pipeline.sample()
         assert torch.equal(local, want)
         assert torch.equal(pipeline.pixels(local), fake_pixels(want))
+    pipeline.close()
+
+
+def test_decoding_processes_open_the_shards_of_a_partition_themselves(tmp_path):
+    with ShardWriter(tmp_path / "shards", prefix="web", samples_per_shard=4) as writer:
+        for index in range(10):
+            writer.write(f"{index:06d}", {"jpg": encode_image(Image.new("RGB", (16, 16), (index * 20, 0, 0)), "jpg")})
+    found = measure_shards((tmp_path / "shards").as_uri())  # file:// URLs, opened by each process
+    partition = ShardPartition(found.shards, found.counts, 0, 1, 8)
+    pipeline = InputPipeline(PoissonSampler(10, 0.5, RandomStream(3, 0, "sampling")), partition.pixels,
+                             mode=PROCESSES)
+    for _ in range(3):
+        local = pipeline.sample()
+        assert torch.equal(pipeline.pixels(local), partition.pixels(local))  # [k, 3, 8, 8]
     pipeline.close()
 
 
