@@ -8,9 +8,11 @@ noise, ledger) with the pre-training worker's loss (uint8 images normalised at s
 step's per-sample stream, the forward in ``--precision``):
 
 * ``in_memory``: every image decoded once beforehand; a step indexes the uint8 tensor.
-* ``shards``: the same sequence of Poisson samples (the in-memory side's sampler state, copied), each drawn ``--ahead`` steps in advance and decoded from the shards by
-  ``--decode-threads`` threads while earlier steps run (:class:`~vip_core.train.pipeline.InputPipeline`),
-  as the Ray worker does. Each block starts cold (the draws made ahead are dropped between blocks).
+* ``shards``: the same sequence of Poisson samples (the in-memory side's sampler state, copied), each drawn
+  ``--ahead`` steps in advance and decoded from the shards by ``--decode-workers`` processes or threads
+  (``--decode-mode``) while earlier steps run (:class:`~vip_core.train.pipeline.InputPipeline`), with the
+  Ray worker's defaults (its mode; one decoder per CPU of the preset's private stage, at least two). Each
+  block starts cold (the draws made ahead are dropped between blocks; the decoders stay up).
 
 The sides alternate in blocks of ``--steps`` steps, ``--rounds`` times, after ``--warmup`` untimed steps of
 each; images/s is realised images over wall time. ``input_ratio`` = shards / in-memory (target >= 0.95).
@@ -33,19 +35,24 @@ LR = 1e-4
 
 
 def bench_train(*, preset: str, img_size: int | None, batch: int, images: int, source_side: int, steps: int,
-                rounds: int, warmup: int, threads: int, decode_threads: int, ahead: int, precision: str,
-                seed: int = 0) -> dict[str, Any]:
+                rounds: int, warmup: int, threads: int, decode_workers: int | None, decode_mode: str | None,
+                ahead: int, precision: str, seed: int = 0) -> dict[str, Any]:
     """Images/s of the DP step from shards and from memory, and of the loader alone; see the module."""
     import torch
 
     from vip_core.config import get_preset, with_overrides
     from vip_core.train.data import ShardPartition, measure_shards
+    from vip_core.train.pipeline import DECODE_MODE
+    from vip_core.train.pipeline import decode_workers as default_decode_workers
 
     if batch > images:
         raise ValueError(f"--batch {batch} exceeds the {images} images")
     config = get_preset(preset)
     if img_size is not None:
         config = with_overrides(config, {"model.img_size": img_size})
+    if decode_workers is None:
+        decode_workers = default_decode_workers(config.private.cpus_per_worker)
+    decode_mode = decode_mode or DECODE_MODE
     previous_threads = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
@@ -57,7 +64,8 @@ def bench_train(*, preset: str, img_size: int | None, batch: int, images: int, s
             memory = partition.pixels(torch.arange(len(partition)))  # memory: [N, 3, S, S] uint8
             loader_rate = len(partition) / (time.perf_counter() - started)
             rates = _interleaved(config, partition, memory, batch=batch, steps=steps, rounds=rounds, warmup=warmup,
-                                 decode_threads=decode_threads, ahead=ahead, precision=precision, seed=seed)
+                                 decode_workers=decode_workers, decode_mode=decode_mode, ahead=ahead,
+                                 precision=precision, seed=seed)
         used_threads = torch.get_num_threads()
     finally:
         torch.set_num_threads(previous_threads)
@@ -65,7 +73,8 @@ def bench_train(*, preset: str, img_size: int | None, batch: int, images: int, s
     return {
         "benchmark": "train", "preset": preset, "img_size": config.model.img_size, "batch": batch,
         "images": images, "source_side": source_side, "precision": precision, "steps": steps, "rounds": rounds,
-        "torch_threads": used_threads, "decode_threads": decode_threads, "ahead": ahead,
+        "torch_threads": used_threads, "decode_mode": decode_mode, "decode_workers": decode_workers,
+        "ahead": ahead,
         "step_images_per_s": round(rates["shards"], 2), "in_memory_images_per_s": round(rates["in_memory"], 2),
         "input_ratio": round(ratio, 4), "loader_images_per_s_per_proc": round(loader_rate, 1),
         "target_input_ratio": TARGET_INPUT_RATIO, "meets_target": ratio >= TARGET_INPUT_RATIO,
@@ -86,7 +95,7 @@ def _write_photos(folder: Path, count: int, side: int) -> Path:
 
 
 def _interleaved(config: Any, partition: Any, memory: Any, *, batch: int, steps: int, rounds: int, warmup: int,
-                 decode_threads: int, ahead: int, precision: str, seed: int) -> dict[str, float]:
+                 decode_workers: int, decode_mode: str, ahead: int, precision: str, seed: int) -> dict[str, float]:
     """Images/s of each side over all its timed blocks."""
     import torch
 
@@ -95,7 +104,7 @@ def _interleaved(config: Any, partition: Any, memory: Any, *, batch: int, steps:
     torch.manual_seed(seed)
     base = build_mae(config.model)
     in_memory, shards = _private_step(base, config, len(memory), batch), _private_step(base, config, len(memory), batch)
-    pipeline = shards.prefetch(partition.pixels, ahead=ahead, threads=decode_threads)
+    pipeline = shards.prefetch(partition.pixels, ahead=ahead, workers=decode_workers, mode=decode_mode)
     pipeline.load_state_dict(in_memory.sampler.state_dict())  # the same Poisson samples on both sides
     sources = {"in_memory": (in_memory, lambda local: memory[local]), "shards": (shards, pipeline.pixels)}
     totals = {name: [0, 0.0] for name in sources}

@@ -83,7 +83,10 @@ def _register_train(benchmarks: Any) -> None:
     parser.add_argument("--warmup", type=count(0), default=2, help="untimed steps of each side first (default: 2)")
     parser.add_argument("--threads", type=count(0), default=1,
                         help="torch CPU threads (default: 1); 0 keeps torch's default")
-    parser.add_argument("--decode-threads", type=count(1), default=2, help="input pipeline threads (default: 2)")
+    parser.add_argument("--decode-workers", type=count(1),
+                        help="input pipeline decoders (default: the pre-training worker's, one per CPU, at least 2)")
+    parser.add_argument("--decode-mode", choices=("processes", "threads"),
+                        help="decode in processes or threads (default: the pre-training worker's)")
     parser.add_argument("--ahead", type=count(1), default=2, help="steps drawn and decoded ahead (default: 2)")
     add_precision(parser)
 
@@ -93,12 +96,13 @@ def handle_train(args: argparse.Namespace) -> int:
 
     result = bench_train(preset=args.preset, img_size=args.img_size, batch=args.batch, images=args.images,
                          source_side=args.source_side, steps=args.steps, rounds=args.rounds, warmup=args.warmup,
-                         threads=args.threads, decode_threads=args.decode_threads, ahead=args.ahead,
-                         precision=args.precision)
+                         threads=args.threads, decode_workers=args.decode_workers, decode_mode=args.decode_mode,
+                         ahead=args.ahead, precision=args.precision)
     lines = [f"DP step from shards {result['step_images_per_s']:8.1f} img/s   from memory "
              f"{result['in_memory_images_per_s']:8.1f} img/s   input_ratio {result['input_ratio']:.3f} "
              f"(target >= {result['target_input_ratio']}: {result['meets_target']})",
              f"loader alone {result['loader_images_per_s_per_proc']:8.1f} img/s per process; "
+             f"{result['decode_workers']} decoding {result['decode_mode']}; "
              f"load average {result['load_average']}"]
     return _report(args, result, lines)
 

@@ -51,7 +51,7 @@ from vip_core.train.data import ShardPartition, measure_shards
 from vip_core.train.distributed import (
     all_reduce_max, broadcast_parameters, check_parameters_equal, gather_objects, rank_and_world,
 )
-from vip_core.train.pipeline import InputPipeline, mae_loss
+from vip_core.train.pipeline import DECODE_MODE, InputPipeline, decode_workers, mae_loss
 from vip_core.train.step import StepReport, TrainingStep
 
 if TYPE_CHECKING:
@@ -518,14 +518,10 @@ def build_worker_run(loop_config: dict[str, Any], rank: int, world: int) -> Work
         model = model.cuda()
     partition = ShardPartition(loop_config["shards"], loop_config["counts"], rank, world, config.model.img_size)
     step = _training_step(model, plan, training, len(partition))
-    pipeline = step.prefetch(partition.pixels, ahead=PREFETCH_STEPS, threads=decode_threads(training),
+    workers = decode_workers(training.cpus_per_worker)
+    pipeline = step.prefetch(partition.pixels, ahead=PREFETCH_STEPS, workers=workers, mode=DECODE_MODE,
                              pin_memory=training.use_gpu)
     return WorkerRun(config=config, stage=stage, plan=plan, partition=partition, step=step, pipeline=pipeline)
-
-
-def decode_threads(training: TrainingConfig) -> int:
-    """Decoding threads of a worker: one per CPU it is given, at least two."""
-    return max(2, round(training.cpus_per_worker))
 
 
 def _training_step(model: torch.nn.Module, plan: dict[str, Any], training: TrainingConfig,

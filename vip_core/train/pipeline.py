@@ -1,27 +1,38 @@
-"""The input pipeline: the next steps' Poisson samples drawn ahead and decoded in worker threads while the
-current step runs.
+"""The input pipeline: the next steps' Poisson samples drawn ahead and decoded in worker processes (or
+threads) while the current step runs.
 
 A step's Poisson sample does not depend on the model, so :class:`InputPipeline` draws the samples of the
-next ``ahead`` steps from the step's own :class:`~vip_core.privacy.sampling.PoissonSampler` (the same
-stream, in the same order: the indices of step t are exactly those an unprefetched run draws at step t, so
-the privacy analysis is unchanged) and hands each sample's decoding to a thread pool, in chunks, as soon
-as it is drawn. The step then finds its images decoded (uint8 ``[k, 3, H, W]``, pinned when they go to a
-GPU); normalising and the per-sample randomness (masks and crops, from the step's ``sample`` stream) happen at
-step time on the device. Memory is bounded by ``ahead + 1`` steps of uint8 images.
+next ``ahead`` steps from the step's own :class:`~vip_core.privacy.sampling.PoissonSampler` in the training
+process (the same stream, in the same order: the indices of step t are exactly those an unprefetched run
+draws at step t, so the privacy analysis is unchanged) and hands each sample's decoding, in chunks, to a
+small pool of decoders as soon as it is drawn. A decoder gets only local indices and returns uint8
+``[c, 3, H, W]``; the step then finds its images decoded (pinned when they go to a GPU); normalising and the
+per-sample randomness (masks and crops, from the step's ``sample`` stream) happen at step time on the device. Memory
+is bounded by ``ahead + 1`` steps of uint8 images.
+
+Decoders are threads by default (:data:`THREADS`: they share the training process's GIL with the step's
+Python work; PIL releases it while it decodes) or processes (:data:`PROCESSES`): each is started fresh
+(``spawn``: the Ray worker has threads, so it is never forked), receives the ``load`` callable once (e.g. a
+:class:`~vip_core.train.data.ShardPartition`'s bound ``pixels``: the shard paths or URLs and where each image
+lies) and opens the shards itself; the decoded chunk comes back pickled (a copy of its uint8 bytes: 0.4 MB
+for 32 images of 64 px). On a 2-core machine processes did not pay off (docs/scaling.md), hence the default.
 
 It stands in for the step's sampler (``sample``, ``state_dict``, ``load_state_dict``), so a checkpoint holds
 the sampler state *as of the last step taken*, not of the draws made ahead: a resumed run draws the same
-sequence of samples as an uninterrupted one. Decoding threads work in parallel because PIL releases the GIL
-while it decodes and resizes.
+sequence of samples as an uninterrupted one. A decoder that fails, or a result that does not come within
+``timeout`` seconds, is a one-line error naming the step.
 """
 
 from __future__ import annotations
 
 import collections
 import math
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+import multiprocessing
+from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
+from functools import partial
+from typing import Any, Callable, NamedTuple
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -31,6 +42,17 @@ from vip_core.train.data import normalise
 from vip_core.train.precision import autocast
 
 Load = Callable[[torch.Tensor], torch.Tensor]
+
+PROCESSES = "processes"
+THREADS = "threads"
+DECODE_MODES = (PROCESSES, THREADS)
+DECODE_MODE = THREADS  # the default: processes were slower on 2 cores (measured in docs/scaling.md)
+DECODE_TIMEOUT_S = 600.0
+
+
+def decode_workers(cpus: float) -> int:
+    """Decoders of a training worker given ``cpus`` CPUs: one per CPU, at least two."""
+    return max(2, round(cpus))
 
 
 def mae_loss(model: nn.Module, pixels: torch.Tensor, noise: torch.Tensor, precision: str,
@@ -51,29 +73,32 @@ class InputPipeline:
     """A Poisson sampler whose next ``ahead`` samples are drawn and decoded in advance.
 
     Args:
-        sampler: the step's sampler (its stream is the only one drawn from).
-        load: ``load(local_indices [k]) -> uint8 [k, 3, H, W]`` (e.g. :meth:`ShardPartition.pixels`); called
-            from worker threads.
+        sampler: the step's sampler (its stream is the only one drawn from, always in this process).
+        load: ``load(local_indices [k]) -> uint8 [k, 3, H, W]`` (e.g. :meth:`ShardPartition.pixels`); called in
+            the decoders (with :data:`PROCESSES`, it is pickled once into each and must open its data itself).
         ahead: steps drawn and decoded beyond the one being taken (at least 1).
-        threads: decoding threads; a sample is cut into this many chunks.
+        workers: decoders (processes or threads); a sample is cut into this many chunks.
+        mode: :data:`PROCESSES` or :data:`THREADS`.
         pin_memory: pin the decoded images (for a fast copy to a GPU).
+        timeout: seconds :meth:`pixels` waits for a chunk before it fails.
     """
 
-    def __init__(self, sampler: PoissonSampler, load: Load, *, ahead: int = 2, threads: int = 2,
-                 pin_memory: bool = False) -> None:
+    def __init__(self, sampler: PoissonSampler, load: Load, *, ahead: int = 2, workers: int = 2,
+                 mode: str = DECODE_MODE, pin_memory: bool = False, timeout: float = DECODE_TIMEOUT_S) -> None:
         if ahead < 1:
             raise ValueError(f"ahead must be at least 1 step, got {ahead}")
-        if threads < 1:
-            raise ValueError(f"threads must be at least 1, got {threads}")
+        if workers < 1:
+            raise ValueError(f"workers must be at least 1, got {workers}")
         self.sampler = sampler
-        self.load = load
         self.ahead = ahead
-        self.threads = threads
+        self.workers = workers
+        self.mode = mode
         self.pin_memory = pin_memory
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="vip-input")
-        self._queue: collections.deque[tuple[torch.Tensor, dict[str, Any], list[Future]]] = collections.deque()
+        self.timeout = timeout
+        self._pool, self._job = _decoders(mode, load, workers)
+        self._queue: collections.deque[_Draw] = collections.deque()
         self._taken_state = sampler.state_dict()
-        self._current: tuple[torch.Tensor, list[Future]] | None = None
+        self._current: _Draw | None = None
 
     @property
     def sample_rate(self) -> float:
@@ -87,24 +112,25 @@ class InputPipeline:
         """The indices ``[k]`` of the next step's sample (drawn ahead); the draws beyond it start decoding."""
         if not self._queue:
             self._draw()
-        local, state, futures = self._queue.popleft()
-        self._taken_state = state
-        self._current = (local, futures)
+        self._current = self._queue.popleft()
+        self._taken_state = self._current.state
         while len(self._queue) < self.ahead:
             self._draw()
-        return local
+        return self._current.local
 
     def pixels(self, local: torch.Tensor) -> torch.Tensor:
         """The decoded images ``[k, 3, H, W]`` (uint8) of the sample :meth:`sample` returned last.
 
         Raises:
             ValueError: ``local`` is not that sample.
+            RuntimeError: a decoder failed or took longer than ``timeout`` (one line, naming the step).
         """
-        if self._current is None or self._current[0] is not local:
+        if self._current is None or self._current.local is not local:
             raise ValueError("pixels() is asked for a sample other than the last one sample() returned")
-        chunks = [future.result() for future in self._current[1]]  # each [c, 3, H, W]
-        self._current = None
-        return chunks[0] if len(chunks) == 1 else torch.cat(chunks)  # [k, 3, H, W]
+        draw, self._current = self._current, None
+        chunks = [self._result(future, draw.step) for future in draw.futures]  # each [c, 3, H, W]
+        pixels = chunks[0] if len(chunks) == 1 else torch.cat(chunks)  # [k, 3, H, W]
+        return pixels.pin_memory() if self.pin_memory else pixels
 
     def state_dict(self) -> dict[str, Any]:
         """The sampler's state after the last step taken (the draws made ahead are not in it)."""
@@ -117,27 +143,76 @@ class InputPipeline:
         self._taken_state = self.sampler.state_dict()
 
     def close(self) -> None:
-        """Drops the draws made ahead and stops the threads."""
+        """Drops the draws made ahead and stops the decoders."""
         self._drop()
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     def _draw(self) -> None:
         """Draws one more step's sample, keeps the sampler state after it, and starts decoding it."""
         local = self.sampler.sample()  # local: [k]
-        self._queue.append((local, self.sampler.state_dict(), self._submit(local)))
+        self._queue.append(_Draw(self.sampler.steps_drawn, local, self.sampler.state_dict(), self._submit(local)))
 
     def _submit(self, local: torch.Tensor) -> list[Future]:
-        """One decoding job per thread; an empty sample is one empty chunk."""
-        size = max(1, math.ceil(len(local) / self.threads))
-        return [self._pool.submit(self._decode, chunk) for chunk in torch.split(local, size)]
+        """One decoding job per worker; an empty sample is one empty chunk."""
+        size = max(1, math.ceil(len(local) / self.workers))
+        return [self._pool.submit(self._job, chunk.tolist()) for chunk in torch.split(local, size)]
 
-    def _decode(self, local: torch.Tensor) -> torch.Tensor:
-        pixels = self.load(local)  # pixels: [c, 3, H, W] uint8
-        return pixels.pin_memory() if self.pin_memory else pixels
+    def _result(self, future: Future, step: int) -> torch.Tensor:
+        """A chunk's images ``[c, 3, H, W]`` (uint8), or a one-line error naming the step."""
+        if not wait([future], timeout=self.timeout).done:
+            raise RuntimeError(f"decoding the sample of step {step} took longer than {self.timeout:g} s "
+                               f"({self.workers} {self.mode})")
+        try:
+            return torch.as_tensor(future.result())  # [c, 3, H, W]
+        except Exception as error:
+            first_line = (str(error).splitlines() or [""])[0]
+            raise RuntimeError(f"decoding the sample of step {step} failed in the {self.mode}: "
+                               f"{type(error).__name__}: {first_line}") from error
 
     def _drop(self) -> None:
-        for _, _, futures in self._queue:
-            for future in futures:
+        for draw in self._queue:
+            for future in draw.futures:
                 future.cancel()
         self._queue.clear()
         self._current = None
+
+
+class _Draw(NamedTuple):
+    """One step's sample drawn ahead: the step it is for, its indices ``[k]``, the sampler state after it and
+    its decoding jobs."""
+
+    step: int
+    local: torch.Tensor
+    state: dict[str, Any]
+    futures: list[Future]
+
+
+def _decoders(mode: str, load: Load, workers: int) -> tuple[Executor, Callable[[list[int]], Any]]:
+    """The pool of decoders and the job it runs on a chunk's indices: threads calling ``load``, or fresh
+    processes (spawned, never forked) that each received ``load`` once."""
+    if mode == THREADS:
+        return ThreadPoolExecutor(workers, thread_name_prefix="vip-input"), partial(_load_indices, load)
+    if mode == PROCESSES:
+        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=_hold_in_process, initargs=(load,))
+        return pool, _decode_in_process
+    raise ValueError(f"decode mode must be one of {', '.join(DECODE_MODES)}, got {mode!r}")
+
+
+def _load_indices(load: Load, indices: list[int]) -> torch.Tensor:
+    return load(torch.tensor(indices, dtype=torch.long))  # [c, 3, H, W] uint8
+
+
+_process_load: Load | None = None  # in a decoding process: the load it was started with
+
+
+def _hold_in_process(load: Load) -> None:
+    """Starts a decoding process: keeps ``load``; one torch thread (decoding is PIL's work)."""
+    global _process_load
+    torch.set_num_threads(1)
+    _process_load = load
+
+
+def _decode_in_process(indices: list[int]) -> np.ndarray:
+    """A chunk decoded in a decoding process, as a numpy array (pickled back: a plain copy of its bytes)."""
+    return _load_indices(_process_load, indices).numpy()  # [c, 3, H, W] uint8

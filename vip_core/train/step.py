@@ -42,7 +42,7 @@ from vip_core.privacy.sampling import PoissonSampler
 from vip_core.train.distributed import (
     all_reduce_gradients, all_reduce_sum, rank_and_world, rank_noise_multiplier, trainable_parameters,
 )
-from vip_core.train.pipeline import InputPipeline, Load
+from vip_core.train.pipeline import DECODE_MODE, InputPipeline, Load
 from vip_core.train.schedule import Schedule
 
 Batch = Callable[[torch.Tensor, RandomStream], Inputs]
@@ -107,11 +107,14 @@ class TrainingStep(abc.ABC):
                                   param_groups=param_groups)
         self.taken = 0
 
-    def prefetch(self, load: Load, *, ahead: int = 2, threads: int = 2, pin_memory: bool = False) -> InputPipeline:
+    def prefetch(self, load: Load, *, ahead: int = 2, workers: int = 2, mode: str = DECODE_MODE,
+                 pin_memory: bool = False) -> InputPipeline:
         """Draws this step's Poisson samples ``ahead`` steps in advance from the same sampler and decodes them
-        with ``load`` in ``threads`` threads (:class:`~vip_core.train.pipeline.InputPipeline`); the sampler
-        state in :meth:`stream_state` stays that of the last step taken."""
-        self.sampler = InputPipeline(self.sampler, load, ahead=ahead, threads=threads, pin_memory=pin_memory)
+        with ``load`` in ``workers`` decoding processes or threads (``mode``:
+        :class:`~vip_core.train.pipeline.InputPipeline`); the sampler state in :meth:`stream_state` stays that
+        of the last step taken."""
+        self.sampler = InputPipeline(self.sampler, load, ahead=ahead, workers=workers, mode=mode,
+                                     pin_memory=pin_memory)
         return self.sampler
 
     @property

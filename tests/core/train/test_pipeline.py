@@ -1,22 +1,24 @@
-"""The input pipeline: samples drawn ahead are the samples an unprefetched run draws (rule 1), a checkpoint
-holds the sampler as of the last step taken so a resume draws the same sequence, decoding runs ahead in
-threads with bounded memory, and JPEGs decode at reduced scale."""
+"""The input pipeline: samples drawn ahead are the samples an unprefetched run draws (rule 1), in decoding
+processes as in threads, a checkpoint holds the sampler as of the last step taken so a resume draws the same
+sequence, decoding runs ahead with bounded memory, a failing or stuck decoder is a one-line error naming the
+step, and JPEGs decode at reduced scale."""
 
 from __future__ import annotations
 
 import io
 import threading
+import time
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-from vip_core.data.shards import encode_image
+from vip_core.data.shards import ShardWriter, encode_image
 from vip_core.privacy.randomness import RandomStream
 from vip_core.privacy.sampling import PoissonSampler
-from vip_core.train.data import decode_pixels
-from vip_core.train.pipeline import InputPipeline
+from vip_core.train.data import ShardPartition, decode_pixels, measure_shards
+from vip_core.train.pipeline import DECODE_MODES, PROCESSES, THREADS, InputPipeline
 from vip_core.train.step import PrivateStep
 
 
@@ -29,10 +31,15 @@ def fake_pixels(local: torch.Tensor) -> torch.Tensor:
     return (local % 256).to(torch.uint8).view(-1, 1, 1, 1).expand(-1, 3, 2, 2).clone()
 
 
-def test_prefetched_samples_are_the_unprefetched_samples_in_order():
+def broken_pixels(local: torch.Tensor) -> torch.Tensor:
+    raise OSError("shard web-000003.tar: connection reset\nsecond line of detail")
+
+
+@pytest.mark.parametrize("mode", DECODE_MODES)
+def test_prefetched_samples_are_the_unprefetched_samples_in_order(mode):
     plain = sampler()
     expected = [plain.sample() for _ in range(8)]
-    pipeline = InputPipeline(sampler(), fake_pixels, ahead=2, threads=3)
+    pipeline = InputPipeline(sampler(), fake_pixels, ahead=2, workers=3, mode=mode)
     for want in expected:
         local = pipeline.sample()
         assert torch.equal(local, want)
@@ -40,15 +47,29 @@ def test_prefetched_samples_are_the_unprefetched_samples_in_order():
     pipeline.close()
 
 
+def test_decoding_processes_open_the_shards_of_a_partition_themselves(tmp_path):
+    with ShardWriter(tmp_path / "shards", prefix="web", samples_per_shard=4) as writer:
+        for index in range(10):
+            writer.write(f"{index:06d}", {"jpg": encode_image(Image.new("RGB", (16, 16), (index * 20, 0, 0)), "jpg")})
+    found = measure_shards((tmp_path / "shards").as_uri())  # file:// URLs, opened by each process
+    partition = ShardPartition(found.shards, found.counts, 0, 1, 8)
+    pipeline = InputPipeline(PoissonSampler(10, 0.5, RandomStream(3, 0, "sampling")), partition.pixels,
+                             mode=PROCESSES)
+    for _ in range(3):
+        local = pipeline.sample()
+        assert torch.equal(pipeline.pixels(local), partition.pixels(local))  # [k, 3, 8, 8]
+    pipeline.close()
+
+
 def test_a_checkpoint_holds_the_sampler_of_the_last_step_taken_and_a_resume_draws_the_same_sequence():
-    uninterrupted = InputPipeline(sampler(), fake_pixels, ahead=2)
+    uninterrupted = InputPipeline(sampler(), fake_pixels, ahead=2, mode=THREADS)
     sequence = [uninterrupted.sample() for _ in range(7)]
-    first = InputPipeline(sampler(), fake_pixels, ahead=2)
+    first = InputPipeline(sampler(), fake_pixels, ahead=2, mode=THREADS)
     for _ in range(3):
         first.sample()
     saved = first.state_dict()
     assert saved["steps_drawn"] == 3 and first.sampler.steps_drawn == 5  # two steps were drawn ahead
-    resumed = InputPipeline(sampler(entropy=99), fake_pixels, ahead=2)
+    resumed = InputPipeline(sampler(entropy=99), fake_pixels, ahead=2, mode=THREADS)
     resumed.load_state_dict(saved)
     assert all(torch.equal(resumed.sample(), want) for want in sequence[3:])
     for pipeline in (uninterrupted, first, resumed):
@@ -60,7 +81,7 @@ def test_a_private_step_resumed_from_its_stream_state_continues_the_uninterrupte
 
     def step() -> PrivateStep:
         built = regression.step(plan)
-        built.prefetch(fake_pixels, ahead=2)
+        built.prefetch(fake_pixels, ahead=2, mode=THREADS)
         return built
 
     original = step()
@@ -82,7 +103,7 @@ def test_decoding_runs_ahead_in_threads_and_at_most_ahead_steps_wait():
         release.wait(5)
         return fake_pixels(local)
 
-    pipeline = InputPipeline(sampler(), load, ahead=2, threads=2)
+    pipeline = InputPipeline(sampler(), load, ahead=2, workers=2, mode=THREADS)
     local = pipeline.sample()
     assert pipeline.sampler.steps_drawn == 3  # the step taken and two ahead, no more
     release.set()
@@ -93,15 +114,48 @@ def test_decoding_runs_ahead_in_threads_and_at_most_ahead_steps_wait():
     assert threads and all(name.startswith("vip-input") for name in threads)
 
 
-def test_an_empty_sample_gives_no_images():
-    pipeline = InputPipeline(PoissonSampler(10, 2.0**-40, RandomStream(1, 0, "sampling")), fake_pixels)
+@pytest.mark.parametrize("mode", DECODE_MODES)
+def test_an_empty_sample_gives_no_images(mode):
+    pipeline = InputPipeline(PoissonSampler(10, 2.0**-40, RandomStream(1, 0, "sampling")), fake_pixels, mode=mode)
     local = pipeline.sample()
     assert len(local) == 0 and pipeline.pixels(local).shape == (0, 3, 2, 2)
     pipeline.close()
 
 
+def test_a_failing_decoding_process_is_a_one_line_error_naming_the_step():
+    pipeline = InputPipeline(sampler(), broken_pixels, mode=PROCESSES)
+    local = pipeline.sample()
+    with pytest.raises(RuntimeError) as caught:
+        pipeline.pixels(local)
+    assert str(caught.value) == ("decoding the sample of step 1 failed in the processes: "
+                                 "OSError: shard web-000003.tar: connection reset")
+    pipeline.close()
+
+
+def test_a_decoder_that_does_not_answer_is_a_timeout_naming_the_step():
+    release = threading.Event()
+
+    def stuck(local: torch.Tensor) -> torch.Tensor:
+        release.wait(5)
+        return fake_pixels(local)
+
+    pipeline = InputPipeline(sampler(), stuck, mode=THREADS, timeout=0.2)
+    local = pipeline.sample()
+    started = time.perf_counter()
+    with pytest.raises(RuntimeError, match=r"^decoding the sample of step 1 took longer than 0.2 s \(2 threads\)$"):
+        pipeline.pixels(local)
+    assert time.perf_counter() - started < 2
+    release.set()
+    pipeline.close()
+
+
+def test_an_unknown_decode_mode_is_refused():
+    with pytest.raises(ValueError, match="decode mode must be one of processes, threads, got 'fork'"):
+        InputPipeline(sampler(), fake_pixels, mode="fork")
+
+
 def test_pixels_of_another_sample_is_a_clear_error():
-    pipeline = InputPipeline(sampler(), fake_pixels)
+    pipeline = InputPipeline(sampler(), fake_pixels, mode=THREADS)
     pipeline.sample()
     with pytest.raises(ValueError, match="other than the last one"):
         pipeline.pixels(torch.arange(3))
