@@ -10,12 +10,13 @@ small pool of decoders as soon as it is drawn. A decoder gets only local indices
 per-sample randomness (masks and crops, from the step's ``sample`` stream) happen at step time on the device. Memory
 is bounded by ``ahead + 1`` steps of uint8 images.
 
-Decoders are threads by default (:data:`THREADS`: they share the training process's GIL with the step's
-Python work; PIL releases it while it decodes) or processes (:data:`PROCESSES`): each is started fresh
+Decoders are processes by default (:data:`PROCESSES`) or threads (:data:`THREADS`: they share the training process's GIL with the step's
+Python work; PIL releases it while it decodes). A process is started fresh
 (``spawn``: the Ray worker has threads, so it is never forked), receives the ``load`` callable once (e.g. a
 :class:`~vip_core.train.data.ShardPartition`'s bound ``pixels``: the shard paths or URLs and where each image
 lies) and opens the shards itself; the decoded chunk comes back pickled (a copy of its uint8 bytes: 0.4 MB
-for 32 images of 64 px). On a 2-core machine processes did not pay off (docs/scaling.md), hence the default.
+for 32 images of 64 px). Processes are the default: on a quiet 2-core machine they kept tiny's step fed where
+threads did not (docs/scaling.md); under load from other jobs threads did better.
 
 It stands in for the step's sampler (``sample``, ``state_dict``, ``load_state_dict``), so a checkpoint holds
 the sampler state *as of the last step taken*, not of the draws made ahead: a resumed run draws the same
@@ -46,7 +47,7 @@ Load = Callable[[torch.Tensor], torch.Tensor]
 PROCESSES = "processes"
 THREADS = "threads"
 DECODE_MODES = (PROCESSES, THREADS)
-DECODE_MODE = THREADS  # the default: processes were slower on 2 cores (measured in docs/scaling.md)
+DECODE_MODE = PROCESSES  # the default: measured in docs/scaling.md
 DECODE_TIMEOUT_S = 600.0
 
 
