@@ -86,16 +86,17 @@ class PrivacyPlan:
         return Charge(run=run, noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate,
                       steps=self.steps if steps is None else steps, purpose=purpose)
 
-    def epsilon_by(self, accountant: str, steps: int | None = None) -> float:
-        """The data set's composed ε by ``accountant`` once ``steps`` steps of this plan are taken (every planned
-        step of every run when None)."""
-        own = Charge("planned", self.noise_multiplier, self.sample_rate,
-                     self.steps * self.runs if steps is None else steps, "planned")
+    def epsilon_by(self, accountant: str, steps: int | None = None, *, earlier_runs: int = 0) -> float:
+        """The data set's composed ε by ``accountant`` once run ``earlier_runs`` of this plan has taken ``steps``
+        steps (its earlier runs counted whole, as :meth:`ledger` does); every planned step of every run when
+        ``steps`` is None."""
+        taken = self.steps * self.runs if steps is None else earlier_runs * self.steps + steps
+        own = Charge("planned", self.noise_multiplier, self.sample_rate, taken, "planned")
         return compose([*self.prior, own], delta=self.delta, accountant=accountant)
 
-    def tight_epsilon(self, steps: int | None = None) -> float | None:
+    def tight_epsilon(self, steps: int | None = None, *, earlier_runs: int = 0) -> float | None:
         """The PLD ε beside a plan accounted by RDP (loose; the ViP paper's accountant), None for another plan."""
-        return self.epsilon_by("pld", steps) if self.accountant == "rdp" else None
+        return self.epsilon_by("pld", steps, earlier_runs=earlier_runs) if self.accountant == "rdp" else None
 
     def describe_epsilon(self) -> str:
         """The planned ε with its accountant, and the tight PLD one beside RDP: ``ε 7.99 (rdp; pld 6.83)``."""

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from vip_core.config import ConfigError, get_preset, with_overrides
+from vip_core.config import ConfigError, PrivacyConfig, get_preset, with_overrides
 from vip_core.privacy.accounting import composed_epsilon, compute_epsilon
 from vip_core.privacy.ledger import Charge, LedgerBook
 from vip_core.privacy.plan import PrivacyPlan, plan_and_charge, plan_privacy
@@ -126,3 +126,13 @@ def test_plan_and_charge_charges_the_planned_steps_of_every_run(tmp_path):
     again = plan_and_charge(book, runs=["c"], purpose="pretrain-dp", budget=config.privacy, **planning)
     assert {c.run for c in again.prior} == {"a", "b"} and len(book.charges()) == 3
     assert book.epsilon(delta=again.delta, accountant=again.accountant) <= 8.0
+
+
+def test_epsilon_by_counts_the_earlier_runs_of_a_plan_as_its_ledger_does():
+    budget = PrivacyConfig(noise_multiplier=1.0, max_grad_norm=1.0, target_epsilon=1e6, delta=1e-5, accountant="rdp")
+    plan = plan_privacy(budget, dataset_size=10_000, batch_size=100, steps=2_000, fingerprint="data", runs=2)
+    ledger = plan.ledger(earlier_runs=1)  # its steps start at the first run's 2,000
+    second_run = ledger.epsilon_after(ledger.steps + 1_000)
+    assert plan.epsilon_by("rdp", 1_000, earlier_runs=1) == pytest.approx(second_run, rel=1e-9)
+    assert plan.epsilon_by("rdp", 1_000) < second_run  # counting the running run alone under-reports
+    assert plan.tight_epsilon(1_000, earlier_runs=1) > plan.tight_epsilon(1_000)
