@@ -455,6 +455,7 @@ def full_float32(device: torch.device) -> Iterator[None]:
 _FP32_PRECISION_LOCK = threading.Lock()
 _fp32_precision_users = 0
 _saved_fp32_precisions: list[str] = []
+_saved_matmul_precision: list[str] = []
 
 
 def _fp32_backends() -> list[Any]:
@@ -466,12 +467,16 @@ def _fp32_backends() -> list[Any]:
 
 @contextlib.contextmanager
 def _ieee_float32() -> Iterator[None]:
-    """Sets every backend's ``fp32_precision`` to ``"ieee"`` while any thread is inside (the settings are the
-    process's): the first thread in saves them, the last one out restores them."""
+    """Sets every backend's ``fp32_precision`` to ``"ieee"``, and torch's float32 matmul precision to
+    ``"highest"`` so that the legacy setting agrees (torch refuses a TF32 check when the two disagree), while any
+    thread is inside (the settings are the process's): the first thread in saves them, the last one out restores
+    them."""
     global _fp32_precision_users
     with _FP32_PRECISION_LOCK:
         if _fp32_precision_users == 0:
+            _saved_matmul_precision[:] = [torch.get_float32_matmul_precision()]
             _saved_fp32_precisions[:] = [backend.fp32_precision for backend in _fp32_backends()]
+            torch.set_float32_matmul_precision("highest")
             for backend in _fp32_backends():
                 backend.fp32_precision = "ieee"
         _fp32_precision_users += 1
@@ -481,6 +486,7 @@ def _ieee_float32() -> Iterator[None]:
         with _FP32_PRECISION_LOCK:
             _fp32_precision_users -= 1
             if _fp32_precision_users == 0:
+                torch.set_float32_matmul_precision(_saved_matmul_precision[0])
                 for backend, saved in zip(_fp32_backends(), _saved_fp32_precisions):
                     backend.fp32_precision = saved
 

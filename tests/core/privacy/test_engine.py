@@ -458,3 +458,20 @@ def test_full_float32_holds_ieee_matmuls_while_any_thread_is_inside_and_then_res
     finally:
         for backend, value in zip(matmuls, before):
             backend.fp32_precision = value
+
+
+def test_full_float32_after_a_users_legacy_tf32_setting_keeps_torchs_tf32_check_working():
+    from vip_core.privacy.engine import full_float32
+
+    backends = (torch.backends.cuda.matmul, torch.backends.mkldnn.matmul)
+    before = torch.get_float32_matmul_precision(), [backend.fp32_precision for backend in backends]
+    torch.set_float32_matmul_precision("high")  # the legacy API, as most users turn TF32 on
+    try:
+        with full_float32(torch.device("cpu")):
+            assert torch._C._get_cublas_allow_tf32() is False  # raised "mix of the legacy and new APIs"
+        assert torch.get_float32_matmul_precision() == "high"
+        assert torch._C._get_cublas_allow_tf32() is True
+    finally:
+        torch.set_float32_matmul_precision(before[0])
+        for backend, value in zip(backends, before[1]):
+            backend.fp32_precision = value
