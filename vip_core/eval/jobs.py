@@ -138,7 +138,7 @@ def _classifier(encoder: nn.Module, num_classes: int, settings: FinetuneSettings
 
 def dp_augmentation_stream(private: FinetunePrivacyConfig) -> RandomStream:
     """DP fine-tuning's crops, flips and dropped paths: fresh 128-bit OS entropy like its sampling and noise, and
-    the OS CSPRNG itself in secure mode."""
+    the OS CSPRNG itself in secure mode (RandAugment runs under torch's generator, seeded per image from it)."""
     return RandomStream(private_entropy(), 0, "sample", "secure" if private.secure_mode else "default")
 
 
@@ -170,7 +170,8 @@ def _dp_finetune_job(train, val, num_classes: int, settings: FinetuneSettings, e
                 "dp_epsilon": plan.epsilon, "dp_epsilon_after_this_run": epsilon, "dp_delta": plan.delta,
                 "dp_noise_multiplier": plan.noise_multiplier,
                 "dp_sample_rate": plan.sample_rate, "dp_steps": float(plan.steps),
-                "dp_max_grad_norm": plan.max_grad_norm, "dp_runs_charged": float(len(run_ids))}
+                "dp_max_grad_norm": plan.max_grad_norm, "dp_runs_charged": float(len(run_ids)),
+                "mixup_used": 0.0, "cutmix_used": 0.0}  # left off in DP fine-tuning whatever the config says
 
     job.privacy = {"fingerprint": plan.fingerprint, "runs": list(zip(runs, run_ids)),  # type: ignore[attr-defined]
                    "planned_epsilon": plan.epsilon, "earlier_runs": [c.run for c in plan.prior]}

@@ -78,6 +78,7 @@ def test_dp_finetuning_leaves_mixup_and_cutmix_off_and_says_so(digits, tmp_path,
         metrics = prepare_job("finetune", digits, evaluation, config.model, CPU, ledgers=tmp_path)(random_encoder())
     assert "finetune_mixup and finetune_cutmix are left off in DP fine-tuning" in caplog.text
     assert 0.0 <= metrics["top1"] <= 1.0
+    assert metrics["mixup_used"] == metrics["cutmix_used"] == 0.0  # what ran, beside the config that asked
 
 
 @pytest.mark.parametrize("private, problem", [
