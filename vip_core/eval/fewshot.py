@@ -37,7 +37,7 @@ def fit_ridge_classifier(features: torch.Tensor, labels: torch.Tensor, num_class
     bias = targets.mean(0)  # [C]
     gram = features.T @ features + l2 * torch.eye(features.shape[1], dtype=features.dtype)  # [F, F]
     weight = torch.linalg.solve(gram, features.T @ (targets - bias))  # [F, C]
-    classifier = nn.Linear(features.shape[1], num_classes)
+    classifier = nn.utils.skip_init(nn.Linear, features.shape[1], num_classes)  # no draw from the global generator
     with torch.no_grad():
         classifier.weight.copy_(weight.T)
         classifier.bias.copy_(bias)

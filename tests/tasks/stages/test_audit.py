@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from vip_core.config import get_preset, with_overrides
 
@@ -24,7 +25,9 @@ def test_audit_logs_beside_the_accountants_epsilon_and_is_not_redone(tmp_path):
 
     training_run = start_run("pretrain-dp")
     log_metrics(training_run, {"privacy/epsilon": 3.9})
+    generator_state = torch.get_rng_state()
     result = run_audit(CONFIG, 100, str(tmp_path / "audit"), mlflow_run_id=training_run)
+    assert torch.equal(torch.get_rng_state(), generator_state), "it runs beside the evaluation jobs: no global draws"
 
     assert result["canaries"] == 100 and result["mlflow_run_id"] == training_run
     assert 3.9 < result["epsilon_claimed"] <= 4.0
