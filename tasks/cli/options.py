@@ -32,7 +32,8 @@ def add_output(parser: argparse.ArgumentParser, holds: str) -> None:
 
 
 def add_data(parser: argparse.ArgumentParser, holds: str) -> None:
-    parser.add_argument("--data", required=True, metavar="DIR", help=f"the folder of {holds}")
+    parser.add_argument("--data", required=True, metavar="DIR",
+                        help=f"the folder of {holds}: a local path or an fsspec URL (s3://bucket/folder)")
 
 
 def add_mlflow_parent(parser: argparse.ArgumentParser) -> None:

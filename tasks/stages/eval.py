@@ -8,6 +8,10 @@ child run of that run (tag ``mlflow.parentRunId``), open from before the job sta
 again with the same task, settings, checkpoint and data reuses the stored metrics instead of recomputing
 (and still logs them to MLflow when a parent run is given).
 
+The data may be a local folder or an fsspec URL (``s3://bucket/digits``, :mod:`vip_core.data.storage`): a URL's
+folder is copied once into ``$VIP_HOME/data/eval/``, named after the URL and the listing of its files (names,
+sizes, ETags), and the job reads the copy; the same listing is the data's part of the job's fingerprint.
+
 Evaluation data is public: the privacy guarantee of pre-training covers the pre-training data only.
 """
 
@@ -21,8 +25,9 @@ from typing import Any, Callable
 from torch import nn
 
 from tasks.runtime.environment import state_paths
-from tasks.runtime.folders import StageFolder, fingerprint
+from tasks.runtime.folders import StageFolder, digest, fingerprint
 from vip_core.config import EVAL_TASK_FIELDS, ModelConfig, VipConfig, validate_config
+from vip_core.data import storage
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +45,7 @@ def run_evaluation(config: VipConfig, task: str, checkpoint: str | None, data: s
             checkpoint holds no config (a released MAE/ViP ``.pth``).
         task: ``linprobe``, ``finetune``, ``fewshot``, ``coco`` or ``ade20k``.
         checkpoint: a checkpoint file or run folder; None evaluates only a random-init encoder.
-        data: the task's dataset folder (ImageFolder, COCO or ADE20K layout).
+        data: the task's dataset folder (ImageFolder, COCO or ADE20K layout), local or an fsspec URL.
         output: the folder for ``metrics.json``.
         mlflow_run_id: the parent MLflow run; a child run is logged under it. None: no MLflow.
 
@@ -48,7 +53,7 @@ def run_evaluation(config: VipConfig, task: str, checkpoint: str | None, data: s
         ``{"task", "checkpoint", "data", "result": {...}, "baseline": {...} | None, ...}``.
 
     Raises:
-        FileNotFoundError: a missing checkpoint or dataset path.
+        FileNotFoundError: a missing checkpoint or dataset path (or a URL with no file below it).
         ValueError: an unknown task, malformed data or a bad setting (one line naming it).
     """
     from tasks.runtime import tracking
@@ -71,12 +76,10 @@ def _evaluate(config: VipConfig, model_config: ModelConfig, task: str, checkpoin
               folder: StageFolder) -> dict[str, Any]:
     """The job on each encoder, timed; the data is checked before the folder is claimed or an encoder built."""
     from vip_core.eval.features import default_device
-    from vip_core.eval.jobs import prepare_job
 
     device = default_device()
     encoders = _encoders(config, model_config, checkpoint)
-    job = prepare_job(task, data, config.evaluation, model_config, device, runs=list(encoders),
-                      ledgers=state_paths()["ledgers"])
+    job = _prepare_job(config, model_config, task, data, folder.fingerprint["data"], device, list(encoders))
     folder.claim()
     metrics: dict[str, Any] = {"task": task, "checkpoint": None if checkpoint is None else str(checkpoint),
                                "data": str(data), "device": str(device)}
@@ -91,6 +94,22 @@ def _evaluate(config: VipConfig, model_config: ModelConfig, task: str, checkpoin
     if getattr(job, "privacy", None) is not None:  # DP fine-tuning: the runs charged to the set's ledger
         metrics["privacy"] = job.privacy
     return metrics
+
+
+def _prepare_job(config: VipConfig, model_config: ModelConfig, task: str, data: str, identity: str,
+                 device: Any, runs: list[str]) -> Callable[[nn.Module], dict[str, Any]]:
+    """The job opened on ``data`` (a URL: on its local copy, and an error about the copy names the URL)."""
+    from vip_core.eval.jobs import prepare_job
+
+    local = _local_copy(data, identity)
+    try:
+        return prepare_job(task, local, config.evaluation, model_config, device, runs=runs,
+                           ledgers=state_paths()["ledgers"])
+    except (FileNotFoundError, ValueError) as error:
+        if local == data:
+            raise
+        kind = FileNotFoundError if isinstance(error, FileNotFoundError) else ValueError
+        raise kind(str(error).replace(local, data)) from None
 
 
 def _model_config(config: VipConfig, checkpoint: str | None) -> ModelConfig:
@@ -135,7 +154,26 @@ def _fingerprint(config: VipConfig, model_config: ModelConfig, task: str, checkp
     return {"task": task, "evaluation": config.evaluation.model_dump(mode="json", include=fields),
             "model": model_config.model_dump(mode="json"),
             "checkpoint": None if checkpoint is None else fingerprint(checkpoint_file(checkpoint)),
-            "data": str(Path(data).resolve())}
+            "data": _data_identity(data)}
+
+
+def _data_identity(data: str) -> str:
+    """A local folder's resolved path; a URL with the digest of its files' listing (``s3://b/digits#1a2b…``), so
+    that a file added, removed or rewritten in the bucket is other data.
+
+    Raises:
+        FileNotFoundError: no file below the URL.
+    """
+    if not storage.is_url(data):
+        return str(Path(data).resolve())
+    return f"{data}#{digest(storage.listing(data))[:16]}"
+
+
+def _local_copy(data: str, identity: str) -> str:
+    """``data`` when it is local; a URL's files copied once into ``$VIP_HOME/data/eval/<digest of identity>``."""
+    if not storage.is_url(data):
+        return data
+    return str(storage.download(data, state_paths()["data"] / "eval" / digest(identity)[:16]))
 
 
 def mlflow_metrics(task: str, metrics: dict[str, Any]) -> dict[str, float]:

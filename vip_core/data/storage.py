@@ -9,7 +9,9 @@ Local paths stay :class:`~pathlib.Path` objects and are opened directly; a URL i
 from __future__ import annotations
 
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
+
+from vip_core.atomic import atomic_path
 
 Location = str | Path
 
@@ -71,9 +73,46 @@ def put(files: list[Path], folder: str) -> list[str]:
     return targets
 
 
+def listing(folder: str) -> dict[str, dict[str, Any]]:
+    """Every file below the URL ``folder``, by its path relative to ``folder``, with what the store lists of it
+    (size, ETag or modification time): read afresh, so it changes whenever a file is added, removed or rewritten.
+
+    Raises:
+        FileNotFoundError: no file below ``folder``.
+    """
+    fs, inner = _existing_folder(folder)
+    return {found[len(inner) + 1:]: info for found, info in fs.find(inner, detail=True).items()}
+
+
+def download(folder: str, target: Path) -> Path:
+    """Copies every file below the URL ``folder`` into the local folder ``target``, which appears whole or not at
+    all (:func:`~vip_core.atomic.atomic_path`); a ``target`` already there is kept as it is. Returns ``target``.
+
+    Raises:
+        FileNotFoundError: no file below ``folder``.
+    """
+    if target.is_dir():
+        return target
+    fs, inner = _existing_folder(folder)
+    with atomic_path(target) as partial:
+        partial.mkdir()
+        fs.get(f"{inner}/", f"{partial}/", recursive=True)
+    return target
+
+
 def name(path: Location) -> str:
     """The file name: the last part of the path or URL."""
     return str(path).rstrip("/").rpartition("/")[2]
+
+
+def _existing_folder(url: str):
+    """The file system and the folder's path in it (no trailing ``/``), listed afresh; one line if it has no file."""
+    fs, inner = _filesystem(url)
+    inner = inner.rstrip("/")
+    fs.invalidate_cache(inner)
+    if not fs.isdir(inner):
+        raise FileNotFoundError(f"folder not found: {url}")
+    return fs, inner
 
 
 def _filesystem(url: Location):

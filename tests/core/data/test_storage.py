@@ -31,3 +31,22 @@ def test_put_makes_the_folder_and_writes_every_file(tmp_path):
 def test_a_missing_folder_is_a_clear_error(tmp_path, folder):
     with pytest.raises(FileNotFoundError, match="shard folder .*missing does not exist"):
         storage.glob(folder.format(tmp=tmp_path) if "{tmp}" in folder else tmp_path / folder, "*.tar")
+
+
+def test_download_copies_a_folder_url_whole_and_keeps_a_copy_already_there(tmp_path):
+    (tmp_path / "src" / "train" / "a").mkdir(parents=True)
+    (tmp_path / "src" / "train" / "a" / "x.png").write_bytes(b"x")
+    (tmp_path / "src" / "top.json").write_bytes(b"{}")
+    url, target = f"file://{tmp_path}/src", tmp_path / "cache" / "copy"
+    assert set(storage.listing(url)) == {"train/a/x.png", "top.json"}
+    assert storage.download(url, target) == target
+    assert (target / "train" / "a" / "x.png").read_bytes() == b"x" and (target / "top.json").read_bytes() == b"{}"
+    (tmp_path / "src" / "top.json").write_bytes(b"[]")
+    storage.download(url, target)
+    assert (target / "top.json").read_bytes() == b"{}" and sorted(p.name for p in target.parent.iterdir()) == ["copy"]
+
+
+def test_downloading_a_missing_folder_url_is_a_clear_error_and_leaves_nothing(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"^folder not found: file://.*/missing$"):
+        storage.download(f"file://{tmp_path}/missing", tmp_path / "copy")
+    assert not (tmp_path / "copy").exists()

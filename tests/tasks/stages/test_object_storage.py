@@ -1,5 +1,6 @@
 """Shards in object storage: a real S3-compatible server (moto's server mode) on 127.0.0.1; ingestion writes
-its clean shards into a bucket, and the private stage pre-trains from ``s3://`` on a real local Ray."""
+its clean shards into a bucket, the private stage pre-trains from ``s3://`` on a real local Ray, and the
+evaluation jobs read their data sets from ``s3://``."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 
 from tasks.fixtures.web import SampleWeb, distinct_photo_indices, laion_row, photo_path, write_url_list
 from tasks.runtime.ray_session import ray_session
+from tasks.stages.eval import run_evaluation
 from tasks.stages.ingest import run_ingest
 from tasks.stages.pretrain import run_pretrain
 from tests.tasks.stages.test_ingest import _config as ingest_config
@@ -96,3 +98,51 @@ def test_ingestion_writes_its_clean_shards_manifest_and_stats_into_a_bucket(s3_s
     fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_server})
     assert {"manifest.parquet", "stats.json"} <= {path.rpartition("/")[2] for path in fs.ls("vip-ingest/web")}
     assert sum(measure_shards("s3://vip-ingest/web").counts) == 20
+
+
+@pytest.fixture(scope="module")
+def bucket_eval_sets(s3_server, workspace):
+    """The evaluation tests' digits (ImageFolder) and ADE20K-layout sets, uploaded below ``s3://vip-eval``."""
+    fs = _s3(s3_server)
+    fs.mkdir("vip-eval")
+    for name in ("digits", "ade20k"):
+        fs.put(f"{workspace[0] / name}/", f"vip-eval/{name}/", recursive=True)
+    return "s3://vip-eval"
+
+
+def _s3(endpoint: str):
+    import s3fs
+
+    return s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint})
+
+
+@pytest.mark.parametrize("task, data", [("fewshot", "digits"), ("ade20k", "ade20k")])
+def test_a_job_on_a_set_in_a_bucket_gives_the_numbers_of_the_same_set_on_disk(workspace, bucket_eval_sets, tmp_path,
+                                                                            task, data):
+    root, config, checkpoint = workspace
+    on_disk = run_evaluation(config, task, str(checkpoint), str(root / data), str(tmp_path / "disk"))
+    in_bucket = run_evaluation(config, task, str(checkpoint), f"{bucket_eval_sets}/{data}", str(tmp_path / "bucket"))
+    assert (in_bucket["result"], in_bucket["baseline"]) == (on_disk["result"], on_disk["baseline"])
+    assert in_bucket["data"] == f"s3://vip-eval/{data}"
+
+
+def test_a_set_rewritten_in_the_bucket_is_other_data_for_the_job(workspace, bucket_eval_sets, s3_server, tmp_path):
+    root, config, checkpoint = workspace
+    url, output = f"{bucket_eval_sets}/digits-rewritten", str(tmp_path / "out")
+    _s3(s3_server).put(f"{root / 'digits'}/", "vip-eval/digits-rewritten/", recursive=True)
+    first = run_evaluation(config, "fewshot", str(checkpoint), url, output)
+    assert run_evaluation(config, "fewshot", str(checkpoint), url, output) == first, "stored metrics are reused"
+    victim, other = (sorted((root / "digits" / "train" / label).iterdir())[0] for label in ("0", "1"))
+    _s3(s3_server).pipe(f"vip-eval/digits-rewritten/train/0/{victim.name}", other.read_bytes())
+    with pytest.raises(ValueError, match="holds eval/fewshot work made with data="):
+        run_evaluation(config, "fewshot", str(checkpoint), url, output)
+
+
+def test_a_missing_prefix_or_a_set_of_another_layout_is_a_clear_error(workspace, bucket_eval_sets, tmp_path):
+    _, config, checkpoint = workspace
+    for url in ("s3://vip-eval/nothing", "s3://no-such-bucket/digits"):
+        with pytest.raises(FileNotFoundError, match=f"^folder not found: {url}$"):
+            run_evaluation(config, "fewshot", str(checkpoint), url, str(tmp_path / "missing"))
+    with pytest.raises(FileNotFoundError, match=r"^training split \(train/\) not found: s3://vip-eval/ade20k/train$"):
+        run_evaluation(config, "linprobe", str(checkpoint), "s3://vip-eval/ade20k", str(tmp_path / "layout"))
+    assert not (tmp_path / "missing").exists() and not (tmp_path / "layout").exists()
