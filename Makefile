@@ -35,8 +35,8 @@ run: setup
 
 # `make <stage>`: the stage's own Prefect flow, after the stages it reads, with the pipeline's folders and cache
 # keys: what `make run` did is Cached, and `make run` reuses what a stage target did. The stages are listed once,
-# in tasks/runtime/names.py. Options: URL_LIST=laion.parquet (default: the sample web), EVAL_DATA=folder with
-# classification/ coco/ ade20k/ (default: the offline sets), CHECKPOINT=file or folder (eval: evaluate it instead
+# in tasks/runtime/names.py. Options: URL_LIST=laion.parquet (default: the sample web), EVAL_DATA=folder or fsspec
+# URL (s3://bucket/eval) with classification/ coco/ ade20k/ (default: the offline sets), CHECKPOINT=file or folder (eval: evaluate it instead
 # of the pipeline's encoder), EVAL_TASKS="linprobe coco" (eval: these tasks only).
 STAGES := $(shell $(PYTHON) -m tasks.runtime.names)
 URL_LIST ?=

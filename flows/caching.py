@@ -4,14 +4,15 @@ A stage's cache key is a hash of the stage's name, its slice of the config (``da
 ``model``, ``private`` and ``privacy`` for the private pre-training; for an evaluation job, the model and
 the ``evaluation`` fields that job reads), its other parameters, and a
 fingerprint of its input paths (the path and the size and modification time of the files at the top of
-a folder: shards, ``checkpoint.pt``, the class folders of an ImageFolder). Running a flow again with the
+a folder: shards, ``checkpoint.pt``, the class folders of an ImageFolder; for an fsspec URL such as
+``s3://bucket/eval``, the listing of every file below it). Running a flow again with the
 same config and unchanged inputs finds every finished stage in Prefect's result store and skips it; a
 changed slice or a rewritten input runs the stage again.
 
-The output folder of a stage is named after the same slice and its input paths (``ingest-1a2b3c4d``),
-so a run with other settings never writes into the folder of a finished one. :func:`stage_folders` names
-every stage's folder for one config and one set of inputs: the pipeline and each stage's own flow use it,
-so they share their folders and their cache keys.
+The output folder of a stage is named after the same slice and its input paths, a URL with its listing
+(``ingest-1a2b3c4d``), so a run with other settings or data never writes into the folder of a finished one.
+:func:`stage_folders` names every stage's folder for one config and one set of inputs: the pipeline and each
+stage's own flow use it, so they share their folders and their cache keys.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any, Callable
 from pydantic import BaseModel
 
 from tasks.runtime.environment import state_paths
-from tasks.runtime.folders import digest, fingerprint
+from tasks.runtime.folders import digest, fingerprint, identity
 from vip_core.config import EVAL_TASK_FIELDS, VipConfig
 
 CACHE_VERSION = 2
@@ -50,8 +51,13 @@ def config_slice(config: VipConfig, stage: str) -> dict[str, Any]:
 
 
 def slice_digest(config: VipConfig, stage: str, inputs: tuple[str, ...] = (), length: int = 8) -> str:
-    """A short hash of the stage's config slice and its input paths: the suffix of its output folder."""
-    return digest([config_slice(config, stage), [str(Path(path).resolve()) for path in inputs if path]])[:length]
+    """A short hash of the stage's config slice and its input paths (a URL with its listing, :func:`identity`):
+    the suffix of its output folder.
+
+    Raises:
+        FileNotFoundError: an input URL with no file below it.
+    """
+    return digest([config_slice(config, stage), [identity(path) for path in inputs if path]])[:length]
 
 
 def stage_folder(workdir: str | Path, stage: str, config: VipConfig, inputs: tuple[str, ...] = ()) -> str:

@@ -19,7 +19,8 @@ def eval_flow(config: VipConfig = tiny(), url_list: str = "", eval_data: str = "
         config: ``config.model`` and ``config.evaluation`` drive the jobs.
         url_list: the pipeline's url list, whose private pre-training gives the encoder when no checkpoint is
             named (the stages before it run first, or are Cached).
-        eval_data: a folder with ``classification/`` (ImageFolder), ``coco/`` and ``ade20k/``.
+        eval_data: a folder or fsspec URL (``s3://bucket/eval``) with ``classification/`` (ImageFolder), ``coco/``
+            and ``ade20k/``.
         workdir: empty: ``$VIP_HOME/runs/<config.name>``.
         checkpoint: a checkpoint (file or folder) to evaluate instead of the pipeline's encoder.
 

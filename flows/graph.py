@@ -27,6 +27,7 @@ from tasks.runtime import tracking
 from tasks.runtime.environment import configure_environment
 from tasks.runtime.folders import RESULT_FILE
 from vip_core.config import EVAL_DATA_FOLDERS, VipConfig, with_overrides
+from vip_core.data import storage
 
 EVAL_THREADS = 4  # evaluation jobs (and the audit) running side by side in a flow
 AUDIT_CANARIES = 1000
@@ -40,7 +41,7 @@ class StageGraph(contextlib.ExitStack):
         config: the run's configuration.
         url_list: the private pre-training data: a LAION-format url list.
         eval_data: the public evaluation data (``classification/``, ``coco/``, ``ade20k/``), also what the web
-            images are decontaminated against.
+            images are decontaminated against: a local folder or an fsspec URL (``s3://bucket/eval``).
         workdir: where the stages' folders are.
         parent_run_id: the flow run's MLflow run; each stage logs a child run under it.
     """
@@ -107,10 +108,14 @@ class StageGraph(contextlib.ExitStack):
         tasks = list(self.config.evaluation.tasks)
         for task in tasks:
             self.folders[f"eval-{task}"] = eval_folder(self.config, self.workdir, task, checkpoint, self.eval_data)
-        futures = [_submit(evaluate, self.config, task, checkpoint, str(Path(self.eval_data) / EVAL_DATA_FOLDERS[task]),
-                           self.folders[f"eval-{task}"], self.parent_run_id, upstream=upstream)
+        futures = [_submit(evaluate, self.config, task, checkpoint, self._eval_data(task), self.folders[f"eval-{task}"],
+                           self.parent_run_id, upstream=upstream)
                    for task in tasks]
         return {task: future.result() for task, future in zip(tasks, futures)}
+
+    def _eval_data(self, task: str) -> str:
+        """The folder (or URL) of ``task``'s data set below the evaluation data."""
+        return str(storage.join(self.eval_data, EVAL_DATA_FOLDERS[task]))
 
     def _once(self, stage: str, submit: Callable[[], PrefectFuture]) -> PrefectFuture:
         """The stage's future, submitted on the first call."""

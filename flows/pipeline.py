@@ -36,8 +36,8 @@ def vip_pipeline(
     Args:
         config: the run's configuration (model, privacy, data, both pre-training stages, evaluation).
         url_list: a LAION-format parquet, csv or jsonl file of image URLs: the private pre-training data.
-        eval_data: a folder with ``classification/`` (ImageFolder), ``coco/`` and ``ade20k/``; public data,
-            also used to decontaminate the web images.
+        eval_data: a folder or fsspec URL (``s3://bucket/eval``) with ``classification/`` (ImageFolder), ``coco/``
+            and ``ade20k/``; public data, also used to decontaminate the web images.
         workdir: where the stages write; empty: ``$VIP_HOME/runs/<config.name>``.
         audit_canaries: canaries of the privacy audit run beside the evaluations; 0: no audit.
         audit_delta: the δ the audit's recipe is calibrated at (its bound loses power as 2·canaries·δ grows,

@@ -1,11 +1,15 @@
 """Test-wide set-up: every test session keeps its state in a fresh VIP_HOME, telemetry off, and every test
-its privacy ledgers in a folder of its own."""
+its privacy ledgers in a folder of its own; moto's S3 server for the tests of data in a bucket."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import socket
+import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -41,3 +45,41 @@ def own_privacy_ledgers(tmp_path_factory, module_privacy_ledgers):
     data would otherwise be composed into its ε (as they would be for a real data set)."""
     with own_ledgers(tmp_path_factory) as folder:
         yield folder
+
+
+S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def s3_server():
+    """moto's S3 server on 127.0.0.1, with the environment pointing s3fs (and Ray's workers) at it."""
+    port = _free_port()
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    saved = {key: os.environ.get(key) for key in (*S3_ENV, "AWS_ENDPOINT_URL")}
+    os.environ.update(S3_ENV, AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}")
+    try:
+        deadline = time.monotonic() + 60
+        while socket.socket().connect_ex(("127.0.0.1", port)) != 0:
+            assert server.poll() is None and time.monotonic() < deadline, "moto's S3 server did not start"
+            time.sleep(0.2)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.terminate()
+        server.wait(30)
+        for key, value in saved.items():
+            os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
+
+
+@pytest.fixture(scope="module")
+def s3(s3_server):
+    """An s3fs file system on moto's server, to put test data into buckets and rewrite it."""
+    import s3fs
+
+    return s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_server})

@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("target", choices=TARGETS, help="run: the whole pipeline; a stage: its own flow")
     parser.add_argument("--preset", default="tiny", help="the config preset (default: tiny)")
     parser.add_argument("--url-list", default="", help="a LAION-format url list (default: the sample web's)")
-    parser.add_argument("--eval-data", default="", help="the evaluation sets' folder (default: the offline ones)")
+    parser.add_argument("--eval-data", default="", help="the evaluation sets' folder or fsspec URL (default: the offline ones)")
     parser.add_argument("--checkpoint", default="", help="eval: this checkpoint instead of the pipeline's encoder")
     parser.add_argument("--eval-tasks", default="", help="eval: these tasks (space-separated) instead of the preset's")
     parser.add_argument("--web-port", type=int, default=WEB_PORT, help="the sample web's port on 127.0.0.1")

@@ -29,7 +29,7 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--url-list", required=True, help="LAION-format url list (.parquet, .csv or .jsonl)")
     add_output(parser, "the clean shards, manifest.parquet and stats.json")
-    parser.add_argument("--eval-images", help="folder of downstream evaluation images to decontaminate against")
+    parser.add_argument("--eval-images", help="folder (or fsspec URL) of downstream evaluation images to decontaminate against")
     add_preset(parser)
     add_config_flags(parser, INGEST_FLAGS)
     parser.add_argument("--condition", action="append",

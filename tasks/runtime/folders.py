@@ -11,17 +11,24 @@ recomputed behind the user's back. Choose another output folder (the flows name 
 fingerprint's config slice and inputs, so they never meet this). With the same fingerprint the stage
 resumes: the pieces already written are kept (each was written whole, :mod:`vip_core.atomic`) and a
 stored result (``result.json``) is returned as it is.
+
+An input is a local path or an fsspec URL (:mod:`vip_core.data.storage`): :func:`identity` names it (a URL with
+the listing of its files), :func:`fingerprint` follows its files, :func:`eval_data_copy` gives a URL's evaluation
+data as a local folder.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
+from tasks.runtime.environment import state_paths
 from vip_core.atomic import remove_partials, write_json
+from vip_core.data import storage
 
 CLAIM_FILE = "stage.json"
 RESULT_FILE = "result.json"
@@ -89,17 +96,47 @@ class StageFolder:
         return True
 
 
+def identity(path: str | Path) -> str:
+    """What names an input: a local path resolved; a URL with the digest of its files' listing
+    (``s3://b/digits#1a2b…``), so that a file added, removed or rewritten in the bucket is other data.
+
+    Raises:
+        FileNotFoundError: no file below the URL.
+    """
+    if not storage.is_url(path):
+        return str(Path(path).resolve())
+    return f"{path}#{digest(storage.listing(str(path)))[:16]}"
+
+
 def fingerprint(path: str | Path | None) -> Any:
     """An input path's identity: the path with the size and mtime of the file, or of each file at the top of
-    the folder (shards, ``checkpoint.pt``, the class folders of an ImageFolder); ``"missing"`` when absent."""
+    the folder (shards, ``checkpoint.pt``, the class folders of an ImageFolder); a URL with its listing
+    (:func:`identity`); ``"missing"`` when absent."""
     if path is None:
         return None
+    if storage.is_url(path):
+        return _url_fingerprint(str(path))
     path = Path(path).resolve()
     if path.is_file():
         return [str(path), _stat(path)]
     if path.is_dir():
         return [str(path), sorted((child.name, _stat(child)) for child in path.iterdir())]
     return [str(path), "missing"]
+
+
+@contextlib.contextmanager
+def eval_data_copy(data: str, data_identity: str) -> Iterator[str]:
+    """Evaluation data as a local folder, for the block: ``data`` when it is local; a URL's files copied once into
+    ``$VIP_HOME/data/eval/<digest of data_identity>``, and an error of the block about the copy names the URL."""
+    if not storage.is_url(data):
+        yield data
+        return
+    local = str(storage.download(data, state_paths()["data"] / "eval" / digest(data_identity)[:16]))
+    try:
+        yield local
+    except (FileNotFoundError, ValueError) as error:
+        kind = FileNotFoundError if isinstance(error, FileNotFoundError) else ValueError
+        raise kind(str(error).replace(local, data)) from None
 
 
 def digest(payload: Any) -> str:
@@ -130,6 +167,13 @@ def _first_difference(found: Any, wanted: Any, prefix: str = "") -> tuple[str, A
 
 def _jsonable(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
+
+
+def _url_fingerprint(url: str) -> list[str]:
+    try:
+        return [identity(url)]
+    except FileNotFoundError:
+        return [url, "missing"]
 
 
 def _stat(path: Path) -> list[int]:

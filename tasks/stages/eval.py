@@ -25,9 +25,8 @@ from typing import Any, Callable
 from torch import nn
 
 from tasks.runtime.environment import state_paths
-from tasks.runtime.folders import StageFolder, digest, fingerprint
+from tasks.runtime.folders import StageFolder, eval_data_copy, fingerprint, identity
 from vip_core.config import EVAL_TASK_FIELDS, ModelConfig, VipConfig, validate_config
-from vip_core.data import storage
 
 logger = logging.getLogger(__name__)
 
@@ -96,20 +95,14 @@ def _evaluate(config: VipConfig, model_config: ModelConfig, task: str, checkpoin
     return metrics
 
 
-def _prepare_job(config: VipConfig, model_config: ModelConfig, task: str, data: str, identity: str,
+def _prepare_job(config: VipConfig, model_config: ModelConfig, task: str, data: str, data_identity: str,
                  device: Any, runs: list[str]) -> Callable[[nn.Module], dict[str, Any]]:
     """The job opened on ``data`` (a URL: on its local copy, and an error about the copy names the URL)."""
     from vip_core.eval.jobs import prepare_job
 
-    local = _local_copy(data, identity)
-    try:
+    with eval_data_copy(data, data_identity) as local:
         return prepare_job(task, local, config.evaluation, model_config, device, runs=runs,
                            ledgers=state_paths()["ledgers"])
-    except (FileNotFoundError, ValueError) as error:
-        if local == data:
-            raise
-        kind = FileNotFoundError if isinstance(error, FileNotFoundError) else ValueError
-        raise kind(str(error).replace(local, data)) from None
 
 
 def _model_config(config: VipConfig, checkpoint: str | None) -> ModelConfig:
@@ -154,26 +147,7 @@ def _fingerprint(config: VipConfig, model_config: ModelConfig, task: str, checkp
     return {"task": task, "evaluation": config.evaluation.model_dump(mode="json", include=fields),
             "model": model_config.model_dump(mode="json"),
             "checkpoint": None if checkpoint is None else fingerprint(checkpoint_file(checkpoint)),
-            "data": _data_identity(data)}
-
-
-def _data_identity(data: str) -> str:
-    """A local folder's resolved path; a URL with the digest of its files' listing (``s3://b/digits#1a2b…``), so
-    that a file added, removed or rewritten in the bucket is other data.
-
-    Raises:
-        FileNotFoundError: no file below the URL.
-    """
-    if not storage.is_url(data):
-        return str(Path(data).resolve())
-    return f"{data}#{digest(storage.listing(data))[:16]}"
-
-
-def _local_copy(data: str, identity: str) -> str:
-    """``data`` when it is local; a URL's files copied once into ``$VIP_HOME/data/eval/<digest of identity>``."""
-    if not storage.is_url(data):
-        return data
-    return str(storage.download(data, state_paths()["data"] / "eval" / digest(identity)[:16]))
+            "data": identity(data)}
 
 
 def mlflow_metrics(task: str, metrics: dict[str, Any]) -> dict[str, float]:

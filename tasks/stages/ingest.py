@@ -40,7 +40,7 @@ from typing import Any, Iterable, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tasks.runtime.folders import StageFolder
+from tasks.runtime.folders import StageFolder, eval_data_copy, identity
 from vip_core.atomic import atomic_path, write_json
 from vip_core.config import IngestConfig, VipConfig
 from vip_core.data.dedup import Deduplicator, NearDuplicateIndex, build_contamination_index, content_hash, perceptual_hash
@@ -144,7 +144,8 @@ def run_ingest(
         output: the folder for the clean shards, ``manifest.parquet`` and ``stats.json``: a local path, or an
             fsspec URL (``s3://bucket/web``), where the finished shards, manifest and stats are uploaded from
             a local staging folder (``$VIP_HOME/data/staging/…``, which keeps the work for a re-run).
-        eval_images: a folder of downstream evaluation images; near duplicates of them are removed.
+        eval_images: a folder of downstream evaluation images, local or an fsspec URL (copied once into
+            ``$VIP_HOME/data/eval/``); near duplicates of them are removed.
 
     Returns:
         The contents of ``stats.json`` plus ``output`` (the folder) and ``shards`` (clean shard count).
@@ -164,9 +165,7 @@ def run_ingest(
     urls = read_url_list(url_list)
     sample_filter = _sample_filter(settings)
     urls.check_conditions(sample_filter.conditions)
-    contamination, eval_hashes = (
-        build_contamination_index(eval_images, settings.decontaminate_max_distance) if eval_images else (None, {})
-    )
+    contamination, eval_hashes = _contamination_index(eval_images, settings.decontaminate_max_distance)
     layout = IngestLayout(Path(output).resolve())
     with exclusive_use(layout) as lock:
         StageFolder(layout.output, "ingest", _fingerprint(settings, urls, eval_hashes)).claim()
@@ -178,6 +177,17 @@ def run_ingest(
         _download_and_clean(layout, settings, cleaner, shard_count, lock)
         stats = _finish(layout, shard_count, len(urls))
     return {**stats, "output": str(layout.output), "shards": len(list_shards(layout.output, SHARD_PREFIX))}
+
+
+def _contamination_index(
+    eval_images: str | Path | None, max_distance: int
+) -> tuple[NearDuplicateIndex | None, dict[str, int]]:
+    """The near-duplicate index of the evaluation images and their hashes (a URL's images copied once, as the
+    evaluation jobs' data are); none without evaluation images."""
+    if not eval_images:
+        return None, {}
+    with eval_data_copy(str(eval_images), identity(eval_images)) as local:
+        return build_contamination_index(local, max_distance)
 
 
 def staging_folder(url: str) -> Path:

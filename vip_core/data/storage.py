@@ -26,6 +26,13 @@ def as_location(path: Location) -> Location:
     return str(path) if is_url(path) else Path(path)
 
 
+def join(location: Location, *parts: str) -> Location:
+    """``parts`` below ``location``: a URL joined with ``/`` (its ``//`` kept), a local path as a :class:`Path`."""
+    if not is_url(location):
+        return Path(location, *parts)
+    return "/".join([str(location).rstrip("/"), *(part.strip("/") for part in parts)])
+
+
 def open_binary(path: Location, mode: str = "rb") -> IO[bytes]:
     """A binary file object for a local path or URL (``"rb"`` or ``"wb"``)."""
     if not is_url(path):

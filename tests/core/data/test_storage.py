@@ -20,6 +20,12 @@ def test_a_url_and_a_local_folder_list_the_same_files(tmp_path):
         assert handle.read() == b"a.tar"
 
 
+def test_join_keeps_a_urls_double_slash_and_gives_a_local_path_as_a_path(tmp_path):
+    assert storage.join("s3://bucket/eval/", "classification") == "s3://bucket/eval/classification"
+    assert storage.join("s3://bucket", "eval", "coco/") == "s3://bucket/eval/coco"
+    assert storage.join(str(tmp_path), "eval", "coco") == tmp_path / "eval" / "coco"
+
+
 def test_put_makes_the_folder_and_writes_every_file(tmp_path):
     source = tmp_path / "src.tar"
     source.write_bytes(b"shard")

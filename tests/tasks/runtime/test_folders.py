@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from tasks.runtime.folders import StageFolder, digest, fingerprint
+from tasks.runtime.folders import StageFolder, digest, fingerprint, identity
 from vip_core.atomic import partial_path
 
 
@@ -42,3 +42,17 @@ def test_a_fingerprint_follows_the_files_of_a_folder(tmp_path):
     os.utime(tmp_path / "checkpoint.pt", ns=(1, 1))
     assert fingerprint(tmp_path) != before
     assert fingerprint(tmp_path / "nothing")[1] == "missing" and fingerprint(None) is None
+
+
+def test_a_url_is_named_by_its_listing_and_a_local_path_by_its_resolved_path(tmp_path):
+    (tmp_path / "set" / "train").mkdir(parents=True)
+    (tmp_path / "set" / "train" / "a.png").write_bytes(b"one")
+    url = f"file://{tmp_path}/set"
+    before = identity(url)
+    assert before.startswith(f"{url}#") and identity(url) == before and fingerprint(url) == [before]
+    (tmp_path / "set" / "train" / "a.png").write_bytes(b"one, rewritten")
+    assert identity(url) != before
+    assert identity(tmp_path / "set" / ".." / "set") == str(tmp_path / "set")
+    assert fingerprint(f"file://{tmp_path}/nothing") == [f"file://{tmp_path}/nothing", "missing"]
+    with pytest.raises(FileNotFoundError, match="^folder not found: file://"):
+        identity(f"file://{tmp_path}/nothing")

@@ -1,18 +1,13 @@
 """Shards in object storage: a real S3-compatible server (moto's server mode) on 127.0.0.1; ingestion writes
-its clean shards into a bucket, the private stage pre-trains from ``s3://`` on a real local Ray, and the
-evaluation jobs read their data sets from ``s3://``."""
+its clean shards into a bucket and decontaminates against evaluation images in one, the private stage pre-trains
+from ``s3://`` on a real local Ray, and the evaluation jobs read their data sets from ``s3://``."""
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import time
-
 import pytest
 
-from tasks.fixtures.web import SampleWeb, distinct_photo_indices, laion_row, photo_path, write_url_list
+from tasks.fixtures.web import (SampleWeb, distinct_photo_indices, laion_row, photo_path, sample_photo,
+                                write_url_list)
 from tasks.runtime.ray_session import ray_session
 from tasks.stages.eval import run_evaluation
 from tasks.stages.ingest import run_ingest
@@ -22,45 +17,13 @@ from tests.tasks.stages.test_pretrain import IMAGES, _private_config
 from vip_core.config import with_overrides
 from vip_core.train.data import measure_shards
 
-S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
-def s3_server():
-    """moto's S3 server on 127.0.0.1, with the environment pointing s3fs (and Ray's workers) at it."""
-    port = _free_port()
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    saved = {key: os.environ.get(key) for key in (*S3_ENV, "AWS_ENDPOINT_URL")}
-    os.environ.update(S3_ENV, AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}")
-    try:
-        deadline = time.monotonic() + 60
-        while socket.socket().connect_ex(("127.0.0.1", port)) != 0:
-            assert server.poll() is None and time.monotonic() < deadline, "moto's S3 server did not start"
-            time.sleep(0.2)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.terminate()
-        server.wait(30)
-        for key, value in saved.items():
-            os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
-
-
-@pytest.fixture(scope="module")
-def bucket_shards(s3_server, noise_shards):
+def bucket_shards(s3, noise_shards):
     """The pre-training tests' shards, uploaded to ``s3://vip-shards/web``."""
-    import s3fs
-
     local = noise_shards(IMAGES)
-    fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_server})
-    fs.mkdir("vip-shards")
-    fs.put(f"{local}/", "vip-shards/web/", recursive=True)
+    s3.mkdir("vip-shards")
+    s3.put(f"{local}/", "vip-shards/web/", recursive=True)
     return local, "s3://vip-shards/web"
 
 
@@ -85,9 +48,7 @@ def test_the_private_stage_pre_trains_from_s3_shards(bucket_shards, tmp_path):
     assert result["workers"] == 2
 
 
-def test_ingestion_writes_its_clean_shards_manifest_and_stats_into_a_bucket(s3_server, tmp_path):
-    import s3fs
-
+def test_ingestion_writes_its_clean_shards_manifest_and_stats_into_a_bucket(s3, tmp_path):
     web = SampleWeb(tmp_path / "web")
     try:
         rows = [laion_row(web.url + photo_path(i), f"photograph {i}") for i in distinct_photo_indices(20)]
@@ -95,25 +56,33 @@ def test_ingestion_writes_its_clean_shards_manifest_and_stats_into_a_bucket(s3_s
     finally:
         web.stop()
     assert stats["output"] == "s3://vip-ingest/web" and stats["kept"] == 20
-    fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_server})
-    assert {"manifest.parquet", "stats.json"} <= {path.rpartition("/")[2] for path in fs.ls("vip-ingest/web")}
+    assert {"manifest.parquet", "stats.json"} <= {path.rpartition("/")[2] for path in s3.ls("vip-ingest/web")}
     assert sum(measure_shards("s3://vip-ingest/web").counts) == 20
 
 
+def test_ingestion_decontaminates_against_evaluation_images_in_a_bucket(s3, tmp_path):
+    indices = distinct_photo_indices(6)
+    photo = sample_photo(indices[0])
+    (tmp_path / "eval" / "val" / "a").mkdir(parents=True)
+    photo.resize((photo.width * 9 // 10, photo.height * 9 // 10)).save(tmp_path / "eval" / "val" / "a" / "copy.png")
+    s3.put(f"{tmp_path / 'eval'}/", "vip-decontaminate/eval/", recursive=True)
+    web = SampleWeb(tmp_path / "web")
+    try:
+        rows = [laion_row(web.url + photo_path(i), f"photograph {i}") for i in indices]
+        stats = run_ingest(ingest_config(), write_url_list(tmp_path / "laion.parquet", rows), tmp_path / "out",
+                           eval_images="s3://vip-decontaminate/eval")
+    finally:
+        web.stop()
+    assert (stats["decontaminated"], stats["kept"]) == (1, 5)
+
+
 @pytest.fixture(scope="module")
-def bucket_eval_sets(s3_server, workspace):
+def bucket_eval_sets(s3, workspace):
     """The evaluation tests' digits (ImageFolder) and ADE20K-layout sets, uploaded below ``s3://vip-eval``."""
-    fs = _s3(s3_server)
-    fs.mkdir("vip-eval")
+    s3.mkdir("vip-eval")
     for name in ("digits", "ade20k"):
-        fs.put(f"{workspace[0] / name}/", f"vip-eval/{name}/", recursive=True)
+        s3.put(f"{workspace[0] / name}/", f"vip-eval/{name}/", recursive=True)
     return "s3://vip-eval"
-
-
-def _s3(endpoint: str):
-    import s3fs
-
-    return s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint})
 
 
 @pytest.mark.parametrize("task, data", [("fewshot", "digits"), ("ade20k", "ade20k")])
@@ -126,14 +95,14 @@ def test_a_job_on_a_set_in_a_bucket_gives_the_numbers_of_the_same_set_on_disk(wo
     assert in_bucket["data"] == f"s3://vip-eval/{data}"
 
 
-def test_a_set_rewritten_in_the_bucket_is_other_data_for_the_job(workspace, bucket_eval_sets, s3_server, tmp_path):
+def test_a_set_rewritten_in_the_bucket_is_other_data_for_the_job(workspace, bucket_eval_sets, s3, tmp_path):
     root, config, checkpoint = workspace
     url, output = f"{bucket_eval_sets}/digits-rewritten", str(tmp_path / "out")
-    _s3(s3_server).put(f"{root / 'digits'}/", "vip-eval/digits-rewritten/", recursive=True)
+    s3.put(f"{root / 'digits'}/", "vip-eval/digits-rewritten/", recursive=True)
     first = run_evaluation(config, "fewshot", str(checkpoint), url, output)
     assert run_evaluation(config, "fewshot", str(checkpoint), url, output) == first, "stored metrics are reused"
     victim, other = (sorted((root / "digits" / "train" / label).iterdir())[0] for label in ("0", "1"))
-    _s3(s3_server).pipe(f"vip-eval/digits-rewritten/train/0/{victim.name}", other.read_bytes())
+    s3.pipe(f"vip-eval/digits-rewritten/train/0/{victim.name}", other.read_bytes())
     with pytest.raises(ValueError, match="holds eval/fewshot work made with data="):
         run_evaluation(config, "fewshot", str(checkpoint), url, output)
 
