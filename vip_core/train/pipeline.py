@@ -33,6 +33,8 @@ import math
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.util
+import os
+import threading
 import time
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from functools import partial
@@ -255,10 +257,19 @@ _process_load: Load | None = None  # in a decoding process: the load it was star
 
 
 def _hold_in_process(load: Load) -> None:
-    """Starts a decoding process: keeps ``load``; one torch thread (decoding is PIL's work)."""
+    """Starts a decoding process: keeps ``load``; one torch thread (decoding is PIL's work); ends with its parent."""
     global _process_load
     torch.set_num_threads(1)
     _process_load = load
+    parent = multiprocessing.parent_process()
+    threading.Thread(target=_exit_when_gone, args=(parent.sentinel,), name="vip-input-parent", daemon=True).start()
+
+
+def _exit_when_gone(parent_sentinel: int) -> None:
+    """Ends this decoding process once its parent is gone: a killed training process (no close(), no exit
+    finalizers) leaves no decoder waiting for work that will never come."""
+    multiprocessing.connection.wait([parent_sentinel])
+    os._exit(1)
 
 
 def _decode_in_process(indices: list[int]) -> np.ndarray:

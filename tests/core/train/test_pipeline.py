@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import io
 import multiprocessing
+import os
+import signal
 import threading
 import time
 
@@ -40,6 +42,23 @@ def broken_pixels(local: torch.Tensor) -> torch.Tensor:
 def endless_pixels(local: torch.Tensor) -> torch.Tensor:
     time.sleep(3600)
     return fake_pixels(local)
+
+
+def decode_and_get_killed(rank: int, decoders: multiprocessing.SimpleQueue) -> None:
+    """A spawned training process's work: decode a step in decoding processes, report their ids, die by SIGKILL."""
+    pipeline = InputPipeline(sampler(), fake_pixels, mode=PROCESSES)
+    pipeline.pixels(pipeline.sample())
+    decoders.put([child.pid for child in multiprocessing.active_children()])
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def exited(pid: int) -> bool:
+    """Whether process ``pid`` is gone (a zombie left to a PID 1 that does not reap counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
 
 
 LEFT_OPEN: list[InputPipeline] = []
@@ -92,6 +111,21 @@ def test_a_spawned_training_process_with_decoding_processes_left_open_exits():
     for process in stuck:
         process.kill()
     assert not stuck, "the spawned process did not exit within 60 s of its work (its decoders were left open)"
+
+
+def test_decoding_processes_end_when_their_training_process_is_killed():
+    decoders = mp.get_context("spawn").SimpleQueue()
+    children = mp.start_processes(decode_and_get_killed, args=(decoders,), nprocs=1, join=False,
+                                  start_method="spawn")
+    children.processes[0].join(60)
+    pids = decoders.get() if not decoders.empty() else []
+    deadline = time.monotonic() + 10
+    while not all(exited(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [pid for pid in pids if not exited(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert len(pids) == 2 and not left, f"decoding processes {left} outlived their killed training process"
 
 
 def test_a_checkpoint_holds_the_sampler_of_the_last_step_taken_and_a_resume_draws_the_same_sequence():
