@@ -10,14 +10,19 @@ small pool of decoders as soon as it is drawn. A decoder gets only local indices
 per-sample randomness (masks and crops, from the step's ``sample`` stream) happen at step time on the device. Memory
 is bounded by ``ahead + 1`` steps of uint8 images.
 
-Decoders are threads by default (:data:`THREADS`: they share the training process's GIL with the step's
-Python work; PIL releases it while it decodes) or processes (:data:`PROCESSES`). A process is started fresh
+Decoders are processes by default (:data:`PROCESSES`) or threads (:data:`THREADS`: they share the training
+process's GIL with the step's Python work; PIL releases it while it decodes). A process is started fresh
 (``spawn``: the Ray worker has threads, so it is never forked), receives the ``load`` callable once (e.g. a
 :class:`~vip_core.train.data.ShardPartition`'s bound ``pixels``: the shard paths or URLs and where each image
 lies) and opens the shards itself; the decoded chunk comes back pickled (a copy of its uint8 bytes: 0.4 MB
 for 32 images of 64 px). On a quiet 2-core machine processes kept tiny's step fed where threads did not, under
-load threads did better (docs/scaling.md); threads stay the default because with processes the suite's
-two-gloo-process test hung (not yet diagnosed).
+load threads did better (docs/scaling.md).
+
+The decoding processes are stopped by :meth:`InputPipeline.close`, or when the pipeline is garbage collected,
+or when its process exits, before multiprocessing's exit joins its children (a pipeline left open in a
+spawned process once hung that exit for good: the decoders never got their stop signal). Stopping waits
+``timeout`` seconds at most, then kills the decoders still running; a decoder ends by itself when the
+training process that started it is gone (killed).
 
 It stands in for the step's sampler (``sample``, ``state_dict``, ``load_state_dict``), so a checkpoint holds
 the sampler state *as of the last step taken*, not of the draws made ahead: a resumed run draws the same
@@ -57,7 +62,7 @@ Load = Callable[[torch.Tensor], torch.Tensor]
 PROCESSES = "processes"
 THREADS = "threads"
 DECODE_MODES = (PROCESSES, THREADS)
-DECODE_MODE = THREADS  # processes hung a two-gloo-process test; see the module's note
+DECODE_MODE = PROCESSES
 DECODE_TIMEOUT_S = 600.0
 # multiprocessing runs exit finalizers by decreasing priority; its queues' feeder threads stop at 10. The decoders
 # are stopped before, while their queue can still carry the stop signals.
