@@ -10,14 +10,19 @@ small pool of decoders as soon as it is drawn. A decoder gets only local indices
 per-sample randomness (masks and crops, from the step's ``sample`` stream) happen at step time on the device. Memory
 is bounded by ``ahead + 1`` steps of uint8 images.
 
-Decoders are threads by default (:data:`THREADS`: they share the training process's GIL with the step's
-Python work; PIL releases it while it decodes) or processes (:data:`PROCESSES`). A process is started fresh
+Decoders are processes by default (:data:`PROCESSES`) or threads (:data:`THREADS`: they share the training
+process's GIL with the step's Python work; PIL releases it while it decodes). A process is started fresh
 (``spawn``: the Ray worker has threads, so it is never forked), receives the ``load`` callable once (e.g. a
 :class:`~vip_core.train.data.ShardPartition`'s bound ``pixels``: the shard paths or URLs and where each image
 lies) and opens the shards itself; the decoded chunk comes back pickled (a copy of its uint8 bytes: 0.4 MB
 for 32 images of 64 px). On a quiet 2-core machine processes kept tiny's step fed where threads did not, under
-load threads did better (docs/scaling.md); threads stay the default because with processes the suite's
-two-gloo-process test hung (not yet diagnosed).
+load threads did better (docs/scaling.md).
+
+The decoding processes are stopped by :meth:`InputPipeline.close`, or when the pipeline is garbage collected,
+or when its process exits, before multiprocessing's exit joins its children (a pipeline left open in a
+spawned process once hung that exit for good: the decoders never got their stop signal). Stopping waits
+``timeout`` seconds at most, then kills the decoders still running; a decoder ends by itself when the
+training process that started it is gone (killed).
 
 It stands in for the step's sampler (``sample``, ``state_dict``, ``load_state_dict``), so a checkpoint holds
 the sampler state *as of the last step taken*, not of the draws made ahead: a resumed run draws the same
@@ -28,10 +33,17 @@ sequence of samples as an uninterrupted one. A decoder that fails, or a result t
 from __future__ import annotations
 
 import collections
+import logging
 import math
 import multiprocessing
+import multiprocessing.connection
+import multiprocessing.util
+import os
+import threading
+import time
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from functools import partial
+from multiprocessing.process import BaseProcess
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
@@ -43,13 +55,18 @@ from vip_core.train.augment import apply_crop_flips
 from vip_core.train.data import normalise
 from vip_core.train.precision import autocast
 
+log = logging.getLogger(__name__)
+
 Load = Callable[[torch.Tensor], torch.Tensor]
 
 PROCESSES = "processes"
 THREADS = "threads"
 DECODE_MODES = (PROCESSES, THREADS)
-DECODE_MODE = THREADS  # processes hung a two-gloo-process test; see the module's note
+DECODE_MODE = PROCESSES
 DECODE_TIMEOUT_S = 600.0
+# multiprocessing runs exit finalizers by decreasing priority; its queues' feeder threads stop at 10. The decoders
+# are stopped before, while their queue can still carry the stop signals.
+_STOP_BEFORE_QUEUES = 20
 
 
 def decode_workers(cpus: float) -> int:
@@ -82,7 +99,8 @@ class InputPipeline:
         workers: decoders (processes or threads); a sample is cut into this many chunks.
         mode: :data:`PROCESSES` or :data:`THREADS`.
         pin_memory: pin the decoded images (for a fast copy to a GPU).
-        timeout: seconds :meth:`pixels` waits for a chunk before it fails.
+        timeout: seconds :meth:`pixels` waits for a chunk before it fails, and :meth:`close` waits for the
+            decoding processes to stop before it kills them.
     """
 
     def __init__(self, sampler: PoissonSampler, load: Load, *, ahead: int = 2, workers: int = 2,
@@ -98,6 +116,9 @@ class InputPipeline:
         self.pin_memory = pin_memory
         self.timeout = timeout
         self._pool, self._job = _decoders(mode, load, workers)
+        # close(), or the pipeline's garbage collection, or the exit of this process, whichever comes first
+        self._stop = multiprocessing.util.Finalize(self, _stop_decoders, args=(self._pool, timeout),
+                                                   exitpriority=_STOP_BEFORE_QUEUES)
         self._queue: collections.deque[_Draw] = collections.deque()
         self._taken_state = sampler.state_dict()
         self._current: _Draw | None = None
@@ -145,9 +166,10 @@ class InputPipeline:
         self._taken_state = self.sampler.state_dict()
 
     def close(self) -> None:
-        """Drops the draws made ahead and stops the decoders."""
+        """Drops the draws made ahead and stops the decoders (processes still running after ``timeout`` s are
+        killed). A pipeline left open is closed when it is garbage collected or when its process exits."""
         self._drop()
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._stop()
 
     def _draw(self) -> None:
         """Draws one more step's sample, keeps the sampler state after it, and starts decoding it."""
@@ -201,6 +223,37 @@ def _decoders(mode: str, load: Load, workers: int) -> tuple[Executor, Callable[[
     raise ValueError(f"decode mode must be one of {', '.join(DECODE_MODES)}, got {mode!r}")
 
 
+def _stop_decoders(pool: Executor, timeout: float) -> None:
+    """Cancels the jobs not started and stops the decoders: threads are waited for; processes are given
+    ``timeout`` seconds to finish the chunk they decode and are killed after it."""
+    if isinstance(pool, ThreadPoolExecutor):
+        pool.shutdown(wait=True, cancel_futures=True)
+        return
+    # concurrent.futures has no public handle on its processes, nor on the thread that stops and reaps them
+    processes, manager = list((pool._processes or {}).values()), pool._executor_manager_thread
+    pool.shutdown(wait=False, cancel_futures=True)  # the manager thread sends each process the stop signal
+    stuck = _still_running(processes, timeout)
+    for process in stuck:
+        process.kill()
+    _still_running(stuck, timeout)  # a killed process is gone at once; its sentinel says so
+    if manager is not None:
+        manager.join(timeout)  # it has reaped them all when it ends
+    if stuck:
+        log.warning("%d decoding processes still running %g s after the input pipeline closed were killed",
+                    len(stuck), timeout)
+
+
+def _still_running(processes: list[BaseProcess], timeout: float) -> list[BaseProcess]:
+    """The processes that have not exited within ``timeout`` seconds (watched through their sentinels, so the
+    executor's own thread stays the one that reaps them)."""
+    running = {process.sentinel: process for process in processes}
+    deadline = time.monotonic() + timeout
+    while running and (left := deadline - time.monotonic()) > 0:
+        for sentinel in multiprocessing.connection.wait(list(running), timeout=left):
+            del running[sentinel]
+    return list(running.values())
+
+
 def _load_indices(load: Load, indices: list[int]) -> torch.Tensor:
     return load(torch.tensor(indices, dtype=torch.long))  # [c, 3, H, W] uint8
 
@@ -209,10 +262,19 @@ _process_load: Load | None = None  # in a decoding process: the load it was star
 
 
 def _hold_in_process(load: Load) -> None:
-    """Starts a decoding process: keeps ``load``; one torch thread (decoding is PIL's work)."""
+    """Starts a decoding process: keeps ``load``; one torch thread (decoding is PIL's work); ends with its parent."""
     global _process_load
     torch.set_num_threads(1)
     _process_load = load
+    parent = multiprocessing.parent_process()
+    threading.Thread(target=_exit_when_gone, args=(parent.sentinel,), name="vip-input-parent", daemon=True).start()
+
+
+def _exit_when_gone(parent_sentinel: int) -> None:
+    """Ends this decoding process once its parent is gone: a killed training process (no close(), no exit
+    finalizers) leaves no decoder waiting for work that will never come."""
+    multiprocessing.connection.wait([parent_sentinel])
+    os._exit(1)
 
 
 def _decode_in_process(indices: list[int]) -> np.ndarray:

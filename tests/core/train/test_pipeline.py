@@ -6,12 +6,16 @@ step, and JPEGs decode at reduced scale."""
 from __future__ import annotations
 
 import io
+import multiprocessing
+import os
+import signal
 import threading
 import time
 
 import numpy as np
 import pytest
 import torch
+import torch.multiprocessing as mp
 from PIL import Image
 
 from vip_core.data.shards import ShardWriter, encode_image
@@ -33,6 +37,41 @@ def fake_pixels(local: torch.Tensor) -> torch.Tensor:
 
 def broken_pixels(local: torch.Tensor) -> torch.Tensor:
     raise OSError("shard web-000003.tar: connection reset\nsecond line of detail")
+
+
+def endless_pixels(local: torch.Tensor) -> torch.Tensor:
+    time.sleep(3600)
+    return fake_pixels(local)
+
+
+def decode_and_get_killed(rank: int, decoders: multiprocessing.SimpleQueue) -> None:
+    """A spawned training process's work: decode a step in decoding processes, report their ids, die by SIGKILL."""
+    pipeline = InputPipeline(sampler(), fake_pixels, mode=PROCESSES)
+    pipeline.pixels(pipeline.sample())
+    decoders.put([child.pid for child in multiprocessing.active_children()])
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def exited(pid: int) -> bool:
+    """Whether process ``pid`` is gone (a zombie left to a PID 1 that does not reap counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+LEFT_OPEN: list[InputPipeline] = []
+
+
+def decode_and_leave_open(rank: int) -> None:
+    """A spawned training process's work: decode a step in decoding processes and return without close(), one
+    pipeline dropped and one still referenced when the process exits."""
+    for pipeline in (InputPipeline(sampler(), fake_pixels, workers=1, mode=PROCESSES),
+                     InputPipeline(sampler(), fake_pixels, workers=1, mode=PROCESSES)):
+        local = pipeline.sample()
+        assert torch.equal(pipeline.pixels(local), fake_pixels(local))
+    LEFT_OPEN.append(pipeline)
 
 
 @pytest.mark.parametrize("mode", DECODE_MODES)
@@ -59,6 +98,34 @@ def test_decoding_processes_open_the_shards_of_a_partition_themselves(tmp_path):
         local = pipeline.sample()
         assert torch.equal(pipeline.pixels(local), partition.pixels(local))  # [k, 3, 8, 8]
     pipeline.close()
+
+
+def test_a_spawned_training_process_with_decoding_processes_left_open_exits():
+    # multiprocessing's exit of a spawned process joins its children before the executor would stop them:
+    # a pipeline left open there once hung the two-process gloo test for good.
+    children = mp.start_processes(decode_and_leave_open, nprocs=1, join=False, start_method="spawn")
+    deadline = time.monotonic() + 60
+    while not children.join(timeout=max(0.0, deadline - time.monotonic())) and time.monotonic() < deadline:
+        pass
+    stuck = [process for process in children.processes if process.is_alive()]
+    for process in stuck:
+        process.kill()
+    assert not stuck, "the spawned process did not exit within 60 s of its work (its decoders were left open)"
+
+
+def test_decoding_processes_end_when_their_training_process_is_killed():
+    decoders = mp.get_context("spawn").SimpleQueue()
+    children = mp.start_processes(decode_and_get_killed, args=(decoders,), nprocs=1, join=False,
+                                  start_method="spawn")
+    children.processes[0].join(60)
+    pids = decoders.get() if not decoders.empty() else []
+    deadline = time.monotonic() + 10
+    while not all(exited(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [pid for pid in pids if not exited(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert len(pids) == 2 and not left, f"decoding processes {left} outlived their killed training process"
 
 
 def test_a_checkpoint_holds_the_sampler_of_the_last_step_taken_and_a_resume_draws_the_same_sequence():
@@ -147,6 +214,17 @@ def test_a_decoder_that_does_not_answer_is_a_timeout_naming_the_step():
     assert time.perf_counter() - started < 2
     release.set()
     pipeline.close()
+
+
+def test_closing_kills_decoding_processes_that_do_not_stop_within_the_timeout(caplog):
+    before = set(multiprocessing.active_children())
+    pipeline = InputPipeline(sampler(), endless_pixels, workers=2, mode=PROCESSES, timeout=1.0)
+    pipeline.sample()
+    started = time.perf_counter()
+    pipeline.close()
+    assert time.perf_counter() - started < 10
+    assert not [child for child in multiprocessing.active_children() if child not in before]
+    assert "2 decoding processes still running 1 s after the input pipeline closed were killed" in caplog.text
 
 
 def test_an_unknown_decode_mode_is_refused():
