@@ -73,6 +73,7 @@ class ReproduceConfig(BaseModel):
     probe_l2_grid: tuple[float, ...] = Field(L2_GRID, min_length=1)
     probe_folds: int = Field(3, ge=2)
     bootstrap_resamples: int = Field(2000, gt=0)
+    block_probes: bool = Field(True, description="also probe each encoder block alone (a diagnostic, not a finding)")
     data_seed: int = Field(0, description="the downstream set's generator seed")
 
     @model_validator(mode="after")

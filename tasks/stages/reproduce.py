@@ -117,13 +117,15 @@ def evaluate_seed(experiment: ReproduceConfig, seed: int | None, checkpoints: Ma
         output: the folder for ``correct.npz`` and ``result.json``.
 
     Returns:
-        ``{"seed", "arms": {arm: {"top1", "l2", "features"}}, "correct": path of correct.npz}``.
+        ``{"seed", "arms": {arm: {"top1", "l2", "features"[, "blocks_top1"]}}, "correct": path of correct.npz}``;
+        ``blocks_top1`` (with ``experiment.block_probes``): the probe on each encoder block's pooled tokens alone,
+        a diagnostic of where the features are, decided by no finding.
     """
     from vip_core.eval.datasets import open_classification
 
     settings = {"kind": "evaluation", "seed": seed, "checkpoints": dict(checkpoints), "data": str(data),
                 "model": experiment.vip.model.model_dump(mode="json"), "grid": list(experiment.probe_l2_grid),
-                "folds": experiment.probe_folds}
+                "folds": experiment.probe_folds, "block_probes": experiment.block_probes}
     if (done := _finished(output, settings)) is not None:
         return done
     unknown = set(checkpoints) - set(ARMS)
@@ -137,6 +139,8 @@ def evaluate_seed(experiment: ReproduceConfig, seed: int | None, checkpoints: Ma
         features = _arm_features(experiment, arm, seed, checkpoints, train[0], test[0])
         probe = _probe(experiment, features, train[1], test[1], dataset.num_classes)
         arms[arm] = {"top1": probe.top1, "l2": probe.l2, "features": features[0].shape[1]}
+        if experiment.block_probes and arm != "raw-pixels":
+            arms[arm]["blocks_top1"] = _block_probes(experiment, features, train[1], test[1], dataset.num_classes)
         correct[arm] = probe.correct.numpy()
         log.info("seed %s, %s: top-1 %.4f (l2 %g)", seed, arm, probe.top1, probe.l2)
     with atomic_path(output) as staging:
@@ -199,6 +203,15 @@ def _probe(experiment: ReproduceConfig, features, train_labels, test_labels, num
                            grid=experiment.probe_l2_grid, folds=experiment.probe_folds)
 
 
+def _block_probes(experiment: ReproduceConfig, features, train_labels, test_labels, num_classes: int) -> list[float]:
+    """The probe's top-1 on each block's pooled tokens alone, first block first (``features``: both splits'
+    ``[N, depth * D]`` concatenations of :func:`_features`)."""
+    width = experiment.vip.model.embed_dim
+    blocks = [slice(start, start + width) for start in range(0, features[0].shape[1], width)]
+    return [_probe(experiment, (features[0][:, block], features[1][:, block]), train_labels, test_labels,
+                   num_classes).top1 for block in blocks]
+
+
 # -------------------------------------------------------------------------------------------------- report
 
 
@@ -222,7 +235,7 @@ def write_report(experiment: ReproduceConfig, evaluations: list[Mapping[str, Any
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
     report = {**judged, "seeds": list(experiment.seeds), "privacy": [dict(p) for p in privacy],
-              "test_examples": int(next(iter(correct.values())).shape[1])}
+              "test_examples": int(next(iter(correct.values())).shape[1]), "blocks": _block_means(evaluations)}
     table = markdown_table(experiment, report)
     (output / TABLE_FILE).write_text(table + "\n")
     plot_results(report, output / PLOT_FILE)
@@ -237,6 +250,16 @@ def _stacked(experiment: ReproduceConfig, evaluations: list[Mapping[str, Any]]) 
         raise ValueError(f"no evaluation of seeds {missing} (None: the raw pixels)")
     return {arm: np.stack([by_seed[None if arm == "raw-pixels" else seed][arm] for seed in experiment.seeds])
             for arm in experiment.arms}
+
+
+def _block_means(evaluations: list[Mapping[str, Any]]) -> dict[str, list[float]]:
+    """Each encoder arm's per-block probe top-1, averaged over seeds (``{}`` without block probes)."""
+    per_arm: dict[str, list[list[float]]] = {}
+    for evaluation in evaluations:
+        for arm, result in evaluation["arms"].items():
+            if "blocks_top1" in result:
+                per_arm.setdefault(arm, []).append(result["blocks_top1"])
+    return {arm: np.mean(rows, axis=0).tolist() for arm, rows in per_arm.items()}
 
 
 def markdown_table(experiment: ReproduceConfig, report: Mapping[str, Any]) -> str:
@@ -257,8 +280,24 @@ def markdown_table(experiment: ReproduceConfig, report: Mapping[str, Any]) -> st
         lines.append(f"| {finding['number']} | {finding['claim']} ({finding['arm']} - {finding['baseline']}) | "
                      f"{d['mean']:+.3f} | [{d['low']:+.3f}, {d['high']:+.3f}] | {finding['margin']:+.2f} | "
                      f"**{finding['verdict']}** |")
-    lines += ["", *(_privacy_line(entry) for entry in report["privacy"])]
+    lines += ["", *(_privacy_line(entry) for entry in report["privacy"]), *_blocks_table(report)]
     return "\n".join(lines)
+
+
+def _blocks_table(report: Mapping[str, Any]) -> list[str]:
+    """The per-block diagnostic: each encoder arm's probe on every block alone beside all blocks together."""
+    blocks = report.get("blocks") or {}
+    if not blocks:
+        return []
+    depth = len(next(iter(blocks.values())))
+    lines = ["", "Diagnostic, decided by no finding: the same probe on each encoder block's pooled tokens alone "
+             "(top-1, mean over seeds)", "",
+             "| arm | " + " | ".join(f"block {k + 1}" for k in range(depth)) + " | all blocks |",
+             "|---|" + "---:|" * (depth + 1)]
+    for arm, values in blocks.items():
+        cells = " | ".join(f"{v:.3f}" for v in values)
+        lines.append(f"| {arm} | {cells} | {report['arms'][arm]['mean']:.3f} |")
+    return lines
 
 
 def _privacy_line(entry: Mapping[str, Any]) -> str:
