@@ -21,8 +21,10 @@ load threads did better (docs/scaling.md).
 The decoding processes are stopped by :meth:`InputPipeline.close`, or when the pipeline is garbage collected,
 or when its process exits, before multiprocessing's exit joins its children (a pipeline left open in a
 spawned process once hung that exit for good: the decoders never got their stop signal). Stopping waits
-``timeout`` seconds at most, then kills the decoders still running; a decoder ends by itself when the
-training process that started it is gone (killed).
+``min(timeout, STOP_GRACE_S)`` seconds at most, then kills the decoders still running (their results are
+dropped anyway); a decoder ends by itself when the training process that started it is gone (killed). In a
+main process Python's own exit first waits for the decode jobs already queued, before this hook runs: close
+the pipeline there (the pre-training worker does, in a ``finally``).
 
 It stands in for the step's sampler (``sample``, ``state_dict``, ``load_state_dict``), so a checkpoint holds
 the sampler state *as of the last step taken*, not of the draws made ahead: a resumed run draws the same
@@ -64,6 +66,7 @@ THREADS = "threads"
 DECODE_MODES = (PROCESSES, THREADS)
 DECODE_MODE = PROCESSES
 DECODE_TIMEOUT_S = 600.0
+STOP_GRACE_S = 10.0  # what a closing pipeline gives its decoders to stop: their results are dropped anyway
 # multiprocessing runs exit finalizers by decreasing priority; its queues' feeder threads stop at 10. The decoders
 # are stopped before, while their queue can still carry the stop signals.
 _STOP_BEFORE_QUEUES = 20
@@ -99,8 +102,8 @@ class InputPipeline:
         workers: decoders (processes or threads); a sample is cut into this many chunks.
         mode: :data:`PROCESSES` or :data:`THREADS`.
         pin_memory: pin the decoded images (for a fast copy to a GPU).
-        timeout: seconds :meth:`pixels` waits for a chunk before it fails, and :meth:`close` waits for the
-            decoding processes to stop before it kills them.
+        timeout: seconds :meth:`pixels` waits for a chunk before it fails; :meth:`close` waits for the
+            decoding processes to stop ``min(timeout, STOP_GRACE_S)`` seconds before it kills them.
     """
 
     def __init__(self, sampler: PoissonSampler, load: Load, *, ahead: int = 2, workers: int = 2,
@@ -117,7 +120,7 @@ class InputPipeline:
         self.timeout = timeout
         self._pool, self._job = _decoders(mode, load, workers)
         # close(), or the pipeline's garbage collection, or the exit of this process, whichever comes first
-        self._stop = multiprocessing.util.Finalize(self, _stop_decoders, args=(self._pool, timeout),
+        self._stop = multiprocessing.util.Finalize(self, _stop_decoders, args=(self._pool, min(timeout, STOP_GRACE_S)),
                                                    exitpriority=_STOP_BEFORE_QUEUES)
         self._queue: collections.deque[_Draw] = collections.deque()
         self._taken_state = sampler.state_dict()
@@ -166,8 +169,8 @@ class InputPipeline:
         self._taken_state = self.sampler.state_dict()
 
     def close(self) -> None:
-        """Drops the draws made ahead and stops the decoders (processes still running after ``timeout`` s are
-        killed). A pipeline left open is closed when it is garbage collected or when its process exits."""
+        """Drops the draws made ahead and stops the decoders (processes still running after
+        ``min(timeout, STOP_GRACE_S)`` s are killed). A pipeline left open is closed when it is garbage collected or when its process exits."""
         self._drop()
         self._stop()
 
