@@ -59,11 +59,14 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def s3_server():
     """moto's S3 server on 127.0.0.1, with the environment pointing s3fs (and Ray's workers) at it."""
+    import s3fs
+
     port = _free_port()
     server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     saved = {key: os.environ.get(key) for key in (*S3_ENV, "AWS_ENDPOINT_URL")}
     os.environ.update(S3_ENV, AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}")
+    s3fs.S3FileSystem.clear_instance_cache()  # fsspec reuses a file system made for an earlier module's server
     try:
         deadline = time.monotonic() + 60
         while socket.socket().connect_ex(("127.0.0.1", port)) != 0:
@@ -73,6 +76,7 @@ def s3_server():
     finally:
         server.terminate()
         server.wait(30)
+        s3fs.S3FileSystem.clear_instance_cache()
         for key, value in saved.items():
             os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
 
