@@ -170,7 +170,8 @@ class InputPipeline:
 
     def close(self) -> None:
         """Drops the draws made ahead and stops the decoders (processes still running after
-        ``min(timeout, STOP_GRACE_S)`` s are killed). A pipeline left open is closed when it is garbage collected or when its process exits."""
+        ``min(timeout, STOP_GRACE_S)`` s are killed). A pipeline left open is closed when it is garbage
+        collected or when its process exits."""
         self._drop()
         self._stop()
 
