@@ -66,6 +66,7 @@ THREADS = "threads"
 DECODE_MODES = (PROCESSES, THREADS)
 DECODE_MODE = PROCESSES
 DECODE_TIMEOUT_S = 600.0
+MIN_CHUNK = 64  # images per decoding job at least: each job costs the training process about 0.5 ms of CPU
 STOP_GRACE_S = 10.0  # what a closing pipeline gives its decoders to stop: their results are dropped anyway
 # multiprocessing runs exit finalizers by decreasing priority; its queues' feeder threads stop at 10. The decoders
 # are stopped before, while their queue can still carry the stop signals.
@@ -181,8 +182,9 @@ class InputPipeline:
         self._queue.append(_Draw(self.sampler.steps_drawn, local, self.sampler.state_dict(), self._submit(local)))
 
     def _submit(self, local: torch.Tensor) -> list[Future]:
-        """One decoding job per worker; an empty sample is one empty chunk."""
-        size = max(1, math.ceil(len(local) / self.workers))
+        """One decoding job per worker, each of at least ``MIN_CHUNK`` images (a small sample is one job; the
+        steps drawn ahead keep the other workers busy); an empty sample is one empty chunk."""
+        size = max(MIN_CHUNK, math.ceil(len(local) / self.workers))
         return [self._pool.submit(self._job, chunk.tolist()) for chunk in torch.split(local, size)]
 
     def _result(self, future: Future, step: int) -> torch.Tensor:

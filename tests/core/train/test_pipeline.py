@@ -262,3 +262,22 @@ def test_a_jpeg_decodes_at_reduced_scale_close_to_the_full_decode():
         full = np.asarray(image.convert("RGB").resize((64, 64), Image.BICUBIC))  # [64, 64, 3]
     assert pixels.dtype == torch.uint8 and pixels.shape == (3, 64, 64)
     assert np.abs(pixels.permute(1, 2, 0).numpy().astype(int) - full.astype(int)).mean() < 3.0
+
+
+def test_a_small_sample_is_one_decoding_job_and_a_large_one_is_spread_over_the_workers() -> None:
+    calls: list[list[int]] = []
+
+    def counted(local: torch.Tensor) -> torch.Tensor:
+        calls.append(local.tolist())
+        return fake_pixels(local)
+
+    for rate, expected_jobs in ((0.1, 1), (0.9, 2)):  # about 20 and 180 of 200 images
+        calls.clear()
+        pipeline = InputPipeline(PoissonSampler(200, rate, RandomStream(3, 0, "sampling")), counted, ahead=1,
+                                 workers=2, mode=THREADS)
+        local = pipeline.sample()
+        assert pipeline.pixels(local)[:, 0, 0, 0].tolist() == (local % 256).tolist()
+        pipeline.close()
+        jobs = [chunk for chunk in calls if set(chunk) <= set(local.tolist())]  # not the step drawn ahead
+        assert len(jobs) == expected_jobs
+        assert sorted(sum(jobs, [])) == sorted(local.tolist())
