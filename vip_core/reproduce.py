@@ -74,7 +74,8 @@ class ReproduceConfig(BaseModel):
     probe_folds: int = Field(3, ge=2)
     bootstrap_resamples: int = Field(2000, gt=0)
     block_probes: bool = Field(True, description="also probe each encoder block alone (a diagnostic, not a finding)")
-    data_seed: int = Field(0, description="the downstream set's generator seed")
+    data_seed: int = Field(1, description="the downstream set's generator seed (the synthetic stage's length was "
+                                          "chosen on seed 0's set, so the default experiment scores on another)")
 
     @model_validator(mode="after")
     def _batch_fits_private_set(self) -> "ReproduceConfig":
@@ -112,9 +113,10 @@ def reproduce() -> ReproduceConfig:
 
 
 def reproduce_full() -> ReproduceConfig:
-    """``make reproduce FULL=1``: the earlier prototype's recipe, three seeds and the non-private ceiling."""
+    """``make reproduce FULL=1``: 3,000 synthetic steps, the earlier prototype's DP stage (B = 2,048, 30 steps on
+    100,000 images), three seeds and the non-private ceiling."""
     vip = with_overrides(vip_pico(), {
-        "synthetic.steps": 300, "synthetic.warmup_steps": 30, "private.batch_size": 2048, "private.steps": 30,
+        "synthetic.steps": 3000, "synthetic.warmup_steps": 100, "private.batch_size": 2048, "private.steps": 30,
     })
     return ReproduceConfig(name="reproduce-full", vip=vip, seeds=(0, 1, 2), private_images=100_000,
                            downstream_train=5_000, downstream_test=5_000, nonprivate_ceiling=True)
