@@ -71,10 +71,14 @@ def reproduce_flow(experiment: ReproduceConfig = reproduce(), workdir: str = "")
 
     Args:
         experiment: the sizes, seeds and model (``experiment.vip``); the findings are fixed in the code.
-        workdir: where the data, runs and report go; empty: ``$VIP_HOME/runs/<experiment.name>``.
+        workdir: where the data, runs and report go; empty: ``$VIP_HOME/runs/<experiment.name>``. It holds one
+            experiment: its stages resume there, and a workdir holding another experiment's runs is refused.
     """
+    from tasks.stages.reproduce import claim_workdir
+
     started = time.perf_counter()
     root = Path(workdir) if workdir else state_paths()["runs"] / experiment.name
+    claim_workdir(root, experiment)
     with flow_tracking(FLOW_NAME, experiment.vip) as parent:
         downstream = downstream_set.submit(str(root / "downstream"), experiment.downstream_train,
                                            experiment.downstream_test, experiment.data_seed)

@@ -16,8 +16,9 @@ step's per-sample stream, the forward in ``--precision``):
   once.
 
 The sides alternate in blocks of ``--steps`` timed steps, ``--rounds`` times, after ``--warmup`` untimed steps
-of each; each block's first step is untimed on both sides (the shards side waits there for its first sample's
-decoding, a cost a run pays once, not every ``--steps`` steps); images/s is realised images over wall time.
+of each; each block's first ``--ahead`` + 1 steps are untimed on both sides (the shards side waits there for
+its first sample's decoding, a cost a run pays once, not every ``--steps`` steps, and decodes the next samples
+while no step runs); images/s is realised images over wall time.
 ``input_ratio`` = shards / in-memory (target >= 0.95). ``loader_images_per_s_per_proc``: the pipeline's decode
 alone (read, JPEG draft decode, resize, uint8) on one thread over every image. On a shared machine the figures
 are noisy: the load average is printed with them.
@@ -77,7 +78,7 @@ def bench_train(*, preset: str, img_size: int | None, batch: int, images: int, s
         "benchmark": "train", "preset": preset, "img_size": config.model.img_size, "batch": batch,
         "images": images, "source_side": source_side, "precision": precision, "steps": steps, "rounds": rounds,
         "torch_threads": used_threads, "decode_mode": decode_mode, "decode_workers": decode_workers,
-        "ahead": ahead,
+        "ahead": ahead, "untimed_steps_per_block": ahead + 1,
         "step_images_per_s": round(rates["shards"], 2), "in_memory_images_per_s": round(rates["in_memory"], 2),
         "input_ratio": round(ratio, 4), "loader_images_per_s_per_proc": round(loader_rate, 1),
         "target_input_ratio": TARGET_INPUT_RATIO, "meets_target": ratio >= TARGET_INPUT_RATIO,
@@ -113,9 +114,9 @@ def _interleaved(config: Any, partition: Any, memory: Any, *, batch: int, steps:
     totals = {name: [0, 0.0] for name in sources}
     for attempt in range(rounds):
         for name, (step, pixels) in sources.items():
-            # untimed: the warm-up, then each block's first step (the pipeline starts cold once per run, and at
-            # every block here)
-            _block(step, pixels, precision, (warmup if attempt == 0 else 0) + 1)
+            # untimed: the warm-up, then each block's first ahead + 1 steps (the pipeline starts cold once per
+            # run, and at every block here; the timed steps' samples are all drawn while steps run)
+            _block(step, pixels, precision, (warmup if attempt == 0 else 0) + ahead + 1)
             started = time.perf_counter()
             totals[name][0] += _block(step, pixels, precision, steps)
             totals[name][1] += time.perf_counter() - started

@@ -40,6 +40,42 @@ SAMPLES_PER_SHARD = 5000
 FEATURE_BATCH = 256
 
 
+EXPERIMENT_FILE = "experiment.json"
+
+
+def claim_workdir(root: str | Path, experiment: ReproduceConfig) -> None:
+    """Records ``experiment`` in ``root`` (made if missing), or checks that ``root`` holds its runs: the flow's
+    stages resume and reuse what a folder holds, so the runs of another experiment there (another recipe,
+    seed or size) would be continued or reused as if they were this one's.
+
+    Raises:
+        ValueError: ``root`` holds another experiment's runs, or runs that no experiment file describes
+            (one line naming the folder and the first setting that differs).
+    """
+    root = Path(root)
+    wanted = experiment.model_dump(mode="json")
+    record = root / EXPERIMENT_FILE
+    if record.is_file():
+        held = json.loads(record.read_text())
+        if held != wanted:
+            key, there, now = _first_difference(held, wanted)
+            raise ValueError(f"{root} holds the runs of another experiment ({key} is {there!r} there, {now!r} now): "
+                             "pass another workdir or remove that one")
+        return
+    if root.is_dir() and any(root.iterdir()):
+        raise ValueError(f"{root} holds runs that no {EXPERIMENT_FILE} describes: pass another workdir or remove it")
+    write_json(record, wanted)
+
+
+def _first_difference(held: Any, wanted: Any, key: str = "") -> tuple[str, Any, Any]:
+    """The first dotted key where two JSON values differ, with both values there."""
+    if isinstance(held, dict) and isinstance(wanted, dict):
+        for name in sorted(set(held) | set(wanted)):
+            if held.get(name) != wanted.get(name):
+                return _first_difference(held.get(name), wanted.get(name), f"{key}.{name}" if key else name)
+    return key, held, wanted
+
+
 # ---------------------------------------------------------------------------------------------------- data
 
 

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import math
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.util
@@ -100,7 +99,8 @@ class InputPipeline:
         load: ``load(local_indices [k]) -> uint8 [k, 3, H, W]`` (e.g. :meth:`ShardPartition.pixels`); called in
             the decoders (with :data:`PROCESSES`, it is pickled once into each and must open its data itself).
         ahead: steps drawn and decoded beyond the one being taken (at least 1).
-        workers: decoders (processes or threads); a sample is cut into this many chunks.
+        workers: decoders (processes or threads); a sample is cut into at most this many chunks, each of at
+            least ``MIN_CHUNK`` images (a sample of fewer than ``2 * MIN_CHUNK`` is one chunk).
         mode: :data:`PROCESSES` or :data:`THREADS`.
         pin_memory: pin the decoded images (for a fast copy to a GPU).
         timeout: seconds :meth:`pixels` waits for a chunk before it fails; :meth:`close` waits for the
@@ -182,10 +182,11 @@ class InputPipeline:
         self._queue.append(_Draw(self.sampler.steps_drawn, local, self.sampler.state_dict(), self._submit(local)))
 
     def _submit(self, local: torch.Tensor) -> list[Future]:
-        """One decoding job per worker, each of at least ``MIN_CHUNK`` images (a small sample is one job; the
-        steps drawn ahead keep the other workers busy); an empty sample is one empty chunk."""
-        size = max(MIN_CHUNK, math.ceil(len(local) / self.workers))
-        return [self._pool.submit(self._job, chunk.tolist()) for chunk in torch.split(local, size)]
+        """Decoding jobs of balanced sizes, at most one per worker and each of at least ``MIN_CHUNK`` images (a
+        small sample is one job; the samples drawn ahead give the other workers theirs); an empty sample is one
+        empty chunk."""
+        jobs = max(1, min(self.workers, len(local) // MIN_CHUNK))
+        return [self._pool.submit(self._job, chunk.tolist()) for chunk in torch.tensor_split(local, jobs)]
 
     def _result(self, future: Future, step: int) -> torch.Tensor:
         """A chunk's images ``[c, 3, H, W]`` (uint8), or a one-line error naming the step."""

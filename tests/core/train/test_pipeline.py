@@ -11,6 +11,7 @@ import os
 import signal
 import threading
 import time
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -22,7 +23,8 @@ from vip_core.data.shards import ShardWriter, encode_image
 from vip_core.privacy.randomness import RandomStream
 from vip_core.privacy.sampling import PoissonSampler
 from vip_core.train.data import ShardPartition, decode_pixels, measure_shards
-from vip_core.train.pipeline import DECODE_MODES, PROCESSES, THREADS, InputPipeline
+from vip_core.train import pipeline as pipeline_module
+from vip_core.train.pipeline import DECODE_MODES, MIN_CHUNK, PROCESSES, THREADS, InputPipeline
 from vip_core.train.step import PrivateStep
 
 
@@ -75,7 +77,8 @@ def decode_and_leave_open(rank: int) -> None:
 
 
 @pytest.mark.parametrize("mode", DECODE_MODES)
-def test_prefetched_samples_are_the_unprefetched_samples_in_order(mode):
+def test_prefetched_samples_are_the_unprefetched_samples_in_order(mode, monkeypatch):
+    monkeypatch.setattr(pipeline_module, "MIN_CHUNK", 1)  # every sample in 3 chunks, put back together in order
     plain = sampler()
     expected = [plain.sample() for _ in range(8)]
     pipeline = InputPipeline(sampler(), fake_pixels, ahead=2, workers=3, mode=mode)
@@ -264,20 +267,26 @@ def test_a_jpeg_decodes_at_reduced_scale_close_to_the_full_decode():
     assert np.abs(pixels.permute(1, 2, 0).numpy().astype(int) - full.astype(int)).mean() < 3.0
 
 
-def test_a_small_sample_is_one_decoding_job_and_a_large_one_is_spread_over_the_workers() -> None:
+@pytest.mark.parametrize(("size", "workers", "chunks"), [
+    (0, 2, [0]), (MIN_CHUNK, 2, [MIN_CHUNK]), (2 * MIN_CHUNK - 1, 2, [2 * MIN_CHUNK - 1]),
+    (2 * MIN_CHUNK, 2, [MIN_CHUNK, MIN_CHUNK]), (2 * MIN_CHUNK + 1, 3, [MIN_CHUNK + 1, MIN_CHUNK]),
+    (6 * MIN_CHUNK + 3, 3, [2 * MIN_CHUNK + 1] * 3),
+])
+def test_a_sample_is_decoded_in_balanced_jobs_of_at_least_min_chunk_images_at_most_one_per_worker(
+        size, workers, chunks):
     calls: list[list[int]] = []
 
     def counted(local: torch.Tensor) -> torch.Tensor:
         calls.append(local.tolist())
         return fake_pixels(local)
 
-    for rate, expected_jobs in ((0.1, 1), (0.9, 2)):  # about 20 and 180 of 200 images
-        calls.clear()
-        pipeline = InputPipeline(PoissonSampler(200, rate, RandomStream(3, 0, "sampling")), counted, ahead=1,
-                                 workers=2, mode=THREADS)
-        local = pipeline.sample()
-        assert pipeline.pixels(local)[:, 0, 0, 0].tolist() == (local % 256).tolist()
-        pipeline.close()
-        jobs = [chunk for chunk in calls if set(chunk) <= set(local.tolist())]  # not the step drawn ahead
-        assert len(jobs) == expected_jobs
-        assert sorted(sum(jobs, [])) == sorted(local.tolist())
+    every_image = PoissonSampler(size, 1.0, RandomStream(3, 0, "sampling")) if size else (
+        PoissonSampler(1, 2.0**-64, RandomStream(3, 0, "sampling")))  # q = 2^-64: an empty sample
+    pipeline = InputPipeline(every_image, counted, ahead=1, workers=workers, mode=THREADS)
+    local = pipeline.sample()
+    assert torch.equal(pipeline.pixels(local), fake_pixels(local))  # in order
+    pipeline.close()
+    assert len(local) == size
+    sizes, expected = Counter(len(job) for job in calls), Counter(chunks)
+    assert sizes & expected == expected  # the step taken; the step drawn ahead (the same sample at q = 1) may
+    assert sizes - expected <= expected  # have been decoded too, or part of it, before close() cancelled it

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tasks.stages.reproduce import evaluate_seed, write_downstream_set, write_report
+from tasks.stages.reproduce import claim_workdir, evaluate_seed, write_downstream_set, write_report
+from vip_core.config import with_overrides
 from vip_core.models import build_mae, save_checkpoint
 from vip_core.reproduce import reproduce_smoke
 
@@ -51,3 +52,18 @@ def test_without_block_probes_the_table_has_no_diagnostic(downstream, tmp_path):
     experiment = reproduce_smoke().model_copy(update={"nonprivate_ceiling": False, "block_probes": False})
     result = evaluate_seed(experiment, 0, _checkpoints(experiment, tmp_path / "run"), downstream, tmp_path / "seed0")
     assert all("blocks_top1" not in arm for arm in result["arms"].values())
+
+
+def test_a_workdir_holds_one_experiment_and_refuses_another_with_the_setting_that_differs(tmp_path):
+    experiment = reproduce_smoke()
+    root = tmp_path / "reproduce"
+    claim_workdir(root, experiment)
+    claim_workdir(root, experiment)  # the same experiment again: its runs resume
+    longer = experiment.model_copy(update={"vip": with_overrides(experiment.vip, {"synthetic.steps": 7})})
+    with pytest.raises(ValueError, match=r"another experiment \(vip.synthetic.steps is 6 there, 7 now\)"):
+        claim_workdir(root, longer)
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "render").mkdir()
+    with pytest.raises(ValueError, match="holds runs that no experiment.json describes"):
+        claim_workdir(tmp_path / "old", experiment)
+    assert sorted(p.name for p in (tmp_path / "old").iterdir()) == ["render"]  # nothing written over
