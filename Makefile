@@ -50,8 +50,8 @@ $(STAGES): setup
 	$(PY) -m flows.app.run $@ $(FLOW_OPTIONS)
 
 # `make reproduce`: the experiment of docs/reproduce.md (the Prefect flow vip-reproduce): every arm on 2 seeds, then
-# the table, the plot and a verdict per finding (42 min measured here, shared machine). FULL=1: the longer recipe (3 seeds, the
-# non-private ceiling, 300 synthetic steps, DP B = 2,048 x 30 steps on 100k images each).
+# the table, the plot and a verdict per finding (46 min measured here). FULL=1: a longer recipe (3 seeds, the
+# non-private ceiling, 3,000 synthetic steps, DP B = 2,048 x 30 steps on 100k images each; not run here).
 FULL ?=
 reproduce: setup
 	$(PY) -m flows.app.reproduce --experiment $(if $(FULL),full,default)

@@ -108,7 +108,7 @@ class ReproduceConfig(BaseModel):
 
 
 def reproduce() -> ReproduceConfig:
-    """``make reproduce``: two seeds, 42 minutes measured on this shared 2-core machine (docs/reproduce.md)."""
+    """``make reproduce``: two seeds, 46 minutes measured on this 2-core machine (docs/reproduce.md)."""
     return ReproduceConfig()
 
 
