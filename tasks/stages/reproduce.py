@@ -46,33 +46,53 @@ EXPERIMENT_FILE = "experiment.json"
 def claim_workdir(root: str | Path, experiment: ReproduceConfig) -> None:
     """Records ``experiment`` in ``root`` (made if missing), or checks that ``root`` holds its runs: the flow's
     stages resume and reuse what a folder holds, so the runs of another experiment there (another recipe,
-    seed or size) would be continued or reused as if they were this one's.
+    seed or size) would be continued or reused as if they were this one's. The record is created exclusively
+    (of two flows starting on one empty folder, the second is checked against the first's record); it is a
+    check, not a lock: two flows of the same experiment may share the folder.
 
     Raises:
         ValueError: ``root`` holds another experiment's runs, or runs that no experiment file describes
             (one line naming the folder and the first setting that differs).
     """
     root = Path(root)
-    wanted = experiment.model_dump(mode="json")
     record = root / EXPERIMENT_FILE
-    if record.is_file():
-        held = json.loads(record.read_text())
-        if held != wanted:
-            key, there, now = _first_difference(held, wanted)
-            raise ValueError(f"{root} holds the runs of another experiment ({key} is {there!r} there, {now!r} now): "
-                             "pass another workdir or remove that one")
-        return
-    if root.is_dir() and any(root.iterdir()):
-        raise ValueError(f"{root} holds runs that no {EXPERIMENT_FILE} describes: pass another workdir or remove it")
-    write_json(record, wanted)
+    if not record.is_file():
+        if root.is_dir() and any(not entry.name.endswith(".partial") for entry in root.iterdir()):
+            raise ValueError(f"{root} holds runs that no {EXPERIMENT_FILE} describes (made before vip recorded "
+                             "experiments, or by hand): pass another workdir or move it aside")
+        root.mkdir(parents=True, exist_ok=True)
+        try:
+            with open(record, "x") as created:  # exclusive: a concurrent first record is not overwritten
+                json.dump(experiment.model_dump(mode="json"), created, indent=2)
+            return
+        except FileExistsError:
+            pass
+    held = _held_experiment(record)
+    if held is None:
+        raise ValueError(f"{root} holds the runs of an experiment that this version cannot read ({EXPERIMENT_FILE}): "
+                         "pass another workdir or move that one aside")
+    if held != experiment:
+        key, there, now = _first_difference(held.model_dump(mode="json"), experiment.model_dump(mode="json"))
+        raise ValueError(f"{root} holds the runs of another experiment ({key} is {there!r} there, {now!r} now): "
+                         "pass another workdir or move that one aside")
+
+
+def _held_experiment(record: Path) -> ReproduceConfig | None:
+    """The experiment ``record`` describes (settings added since filled with their defaults); None when this
+    version cannot read it (e.g. a setting removed since)."""
+    try:
+        return ReproduceConfig.model_validate(json.loads(record.read_text()))
+    except ValueError:  # pydantic's ValidationError and json's JSONDecodeError are ValueErrors
+        return None
 
 
 def _first_difference(held: Any, wanted: Any, key: str = "") -> tuple[str, Any, Any]:
-    """The first dotted key where two JSON values differ, with both values there."""
+    """The first dotted key where two JSON values differ, with both values there ("absent" where one lacks it)."""
     if isinstance(held, dict) and isinstance(wanted, dict):
         for name in sorted(set(held) | set(wanted)):
-            if held.get(name) != wanted.get(name):
-                return _first_difference(held.get(name), wanted.get(name), f"{key}.{name}" if key else name)
+            if held.get(name, "absent") != wanted.get(name, "absent"):
+                return _first_difference(held.get(name, "absent"), wanted.get(name, "absent"),
+                                         f"{key}.{name}" if key else name)
     return key, held, wanted
 
 

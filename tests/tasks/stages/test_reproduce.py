@@ -3,6 +3,8 @@ diagnostic, on each block alone; the report's table shows both."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -67,3 +69,19 @@ def test_a_workdir_holds_one_experiment_and_refuses_another_with_the_setting_tha
     with pytest.raises(ValueError, match="holds runs that no experiment.json describes"):
         claim_workdir(tmp_path / "old", experiment)
     assert sorted(p.name for p in (tmp_path / "old").iterdir()) == ["render"]  # nothing written over
+
+
+def test_a_workdir_record_reads_back_with_new_settings_defaulted_and_a_killed_writers_partial_is_ignored(tmp_path):
+    experiment = reproduce_smoke()
+    root = tmp_path / "reproduce"
+    root.mkdir()
+    (root / ".experiment.json.123-456.partial").write_text("{")  # a writer killed before its rename
+    claim_workdir(root, experiment)
+    record = root / "experiment.json"
+    held = json.loads(record.read_text())
+    del held["block_probes"]  # a record written before this setting existed: its default applies
+    record.write_text(json.dumps(held))
+    claim_workdir(root, experiment)
+    record.write_text(json.dumps({**held, "retired_setting": 1}))  # a setting this version no longer knows
+    with pytest.raises(ValueError, match="holds the runs of an experiment that this version cannot read"):
+        claim_workdir(root, experiment)
