@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Mapping
@@ -26,7 +27,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from vip_core.atomic import atomic_path, write_json
+from vip_core.atomic import PARTIAL_SUFFIX, atomic_path, partial_path, write_json
 from vip_core.data.objects import SHAPES, ObjectStyle, iter_objects
 from vip_core.reproduce import ARMS, ReproduceConfig, judge
 
@@ -57,16 +58,11 @@ def claim_workdir(root: str | Path, experiment: ReproduceConfig) -> None:
     root = Path(root)
     record = root / EXPERIMENT_FILE
     if not record.is_file():
-        if root.is_dir() and any(not entry.name.endswith(".partial") for entry in root.iterdir()):
+        if root.is_dir() and any(not entry.name.endswith(PARTIAL_SUFFIX) for entry in root.iterdir()):
             raise ValueError(f"{root} holds runs that no {EXPERIMENT_FILE} describes (made before vip recorded "
                              "experiments, or by hand): pass another workdir or move it aside")
-        root.mkdir(parents=True, exist_ok=True)
-        try:
-            with open(record, "x") as created:  # exclusive: a concurrent first record is not overwritten
-                json.dump(experiment.model_dump(mode="json"), created, indent=2)
+        if _create_whole(record, json.dumps(experiment.model_dump(mode="json"), indent=2)):
             return
-        except FileExistsError:
-            pass
     held = _held_experiment(record)
     if held is None:
         raise ValueError(f"{root} holds the runs of an experiment that this version cannot read ({EXPERIMENT_FILE}): "
@@ -75,6 +71,21 @@ def claim_workdir(root: str | Path, experiment: ReproduceConfig) -> None:
         key, there, now = _first_difference(held.model_dump(mode="json"), experiment.model_dump(mode="json"))
         raise ValueError(f"{root} holds the runs of another experiment ({key} is {there!r} there, {now!r} now): "
                          "pass another workdir or move that one aside")
+
+
+def _create_whole(path: Path, text: str) -> bool:
+    """Writes ``path`` whole and only if it does not exist (a partial file linked into place: a killed writer
+    leaves no truncated file, and a concurrent first writer's file is not overwritten); False when it existed."""
+    partial = partial_path(path)
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    partial.write_text(text)
+    try:
+        os.link(partial, path)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        partial.unlink()
 
 
 def _held_experiment(record: Path) -> ReproduceConfig | None:

@@ -231,8 +231,6 @@ def test_closing_kills_decoding_processes_that_do_not_stop_within_the_timeout(ca
 
 
 def test_closing_gives_the_decoders_a_short_grace_not_the_decode_timeout(caplog, monkeypatch):
-    import vip_core.train.pipeline as pipeline_module
-
     monkeypatch.setattr(pipeline_module, "STOP_GRACE_S", 1.0)  # a hung decoder's run then fails in 1 s, not 600
     pipeline = InputPipeline(sampler(), endless_pixels, workers=2, mode=PROCESSES)  # the default 600 s timeout
     pipeline.sample()
