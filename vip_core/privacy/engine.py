@@ -34,6 +34,7 @@ import logging
 import threading
 import weakref
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -42,7 +43,7 @@ from torch import nn
 from torch.func import functional_call
 
 from vip_core.privacy.per_sample import RULES, PlainRule, Rule, Sums
-from vip_core.privacy.randomness import RandomStream
+from vip_core.privacy.randomness import GaussianDraw, RandomStream
 
 logger = logging.getLogger(__name__)
 
@@ -104,59 +105,117 @@ def privatized_gradients(
         Monitoring statistics of the batch (not private).
     """
     _check_arguments(max_grad_norm, noise_multiplier, expected_batch_size, physical_batch_size)
-    clipped = ClippedGradientSum(model, max_grad_norm=max_grad_norm)
+    clipped = ClippedGradientSum(model, max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier, noise=noise)
     clipped.add(loss_fn, inputs, physical_batch_size=physical_batch_size)
-    return clipped.privatize(noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size, noise=noise)
+    return clipped.privatize(expected_batch_size=expected_batch_size)
 
 
 class ClippedGradientSum:
-    """The running sum Σᵢ clip(gᵢ, C) over any number of microbatches of one logical batch, then the noise
+    """The running sum Σᵢ clip(gᵢ, C) over any number of microbatches of one logical batch, plus the noise
     once. Use it to stream a logical batch from disk one physical batch at a time;
     :func:`privatized_gradients` is the one-call form.
+
+    The noise is one :class:`~vip_core.privacy.randomness.GaussianDraw` taken when the sum is created. Each
+    parameter's share is drawn on helper threads into a buffer of its own as soon as the first backward
+    reaches the parameter's layer (when a non-private backward would allocate its gradient), and the clipped
+    sums are added into those buffers: the draw overlaps the backward and needs no second parameter-sized
+    buffer. The values do not depend on the threads or the microbatches.
 
     Args:
         model: the model (see :func:`privatized_gradients` for what it may contain).
         max_grad_norm: the clipping bound C.
+        noise_multiplier: σ; the noise standard deviation is σC (0 on the ranks that add no noise).
+        noise: the random stream of the noise; required when σ > 0.
     """
 
-    def __init__(self, model: nn.Module, *, max_grad_norm: float) -> None:
-        _check_arguments(max_grad_norm, 0.0, 1.0, None)
+    def __init__(self, model: nn.Module, *, max_grad_norm: float, noise_multiplier: float = 0.0,
+                 noise: RandomStream | None = None) -> None:
+        _check_arguments(max_grad_norm, noise_multiplier, 1.0, None)
         self.model = model
         self.max_grad_norm = max_grad_norm
         self.plan = plan_model(model)
+        if noise_multiplier > 0 and noise is None:
+            raise ValueError("noise_multiplier > 0 needs a noise stream (a RandomStream), never a default generator")
         for param in self.plan.params:
             param.grad = None  # the previous step's gradients are dead weight from here on
         self.sums: Sums = {}
         self.totals = _Totals()
+        draw = GaussianDraw(noise, noise_multiplier * max_grad_norm) if noise_multiplier > 0 else None
+        self.noise = _StepNoise(self.plan.params, draw)
 
     def add(self, loss_fn: LossFn, inputs: Inputs, *, physical_batch_size: int | None = None) -> None:
         """Adds the clipped per-sample gradients of ``inputs``, in microbatches of ``physical_batch_size``."""
         for chunk in split_batch(inputs, physical_batch_size):
-            _add_microbatch(self.plan, self.model, loss_fn, chunk, self.max_grad_norm, self.sums, self.totals)
+            _add_microbatch(self.plan, self.model, loss_fn, chunk, self.max_grad_norm, self.sums, self.totals,
+                            self.noise)
 
-    def privatize(
-        self, *, noise_multiplier: float, expected_batch_size: float, noise: RandomStream | None = None
-    ) -> StepStats:
+    def privatize(self, *, expected_batch_size: float) -> StepStats:
         """Sets each trainable parameter's ``.grad`` to (sum + N(0, σ²C²I)) / expected_batch_size.
 
         Args:
-            noise_multiplier: σ (0 on the ranks that add no noise).
             expected_batch_size: the public divisor q·N.
-            noise: the random stream of the noise; required when σ > 0.
 
         Returns:
             Monitoring statistics of the batch (not private).
         """
-        _check_arguments(self.max_grad_norm, noise_multiplier, expected_batch_size, None)
-        if noise_multiplier > 0 and noise is None:
-            raise ValueError("noise_multiplier > 0 needs a noise stream (a RandomStream), never a default generator")
+        _check_arguments(self.max_grad_norm, 0.0, expected_batch_size, None)
+        self.noise.settle(self.plan.params, self.sums)
         for param in self.plan.params:
-            noisy = _gaussian(param, noise_multiplier * self.max_grad_norm, noise)
-            if param in self.sums:
-                noisy.add_(self.sums.pop(param))
-            param.grad = noisy.div_(expected_batch_size)
+            total = self.sums.pop(param) if param in self.sums else torch.zeros_like(param)
+            param.grad = total.div_(expected_batch_size)
         t = self.totals
         return StepStats(t.examples, float(t.loss_sum), int(t.clipped), int(t.non_finite))
+
+
+class _StepNoise:
+    """A step's noise, one :class:`GaussianDraw` over the trainable parameters (none when σ = 0).
+
+    :meth:`start` allocates a parameter's buffer (on the calling thread) and hands its blocks to helper
+    threads (``torch.get_num_threads()`` of them); CUDA parameters are drawn on the device at :meth:`settle`.
+    :meth:`settle` waits for a parameter's noise and makes it the start of its running sum: each parameter's
+    noise enters the sum exactly once, whatever the number of microbatches.
+    """
+
+    def __init__(self, params: list[nn.Parameter], draw: GaussianDraw | None) -> None:
+        self.draw = draw
+        self.index = {param: i for i, param in enumerate(params)}
+        self.pending: dict[nn.Parameter, tuple[torch.Tensor, list[Future]]] = {}
+        self.settled: set[nn.Parameter] = set()
+        self.pool = ThreadPoolExecutor(max(1, torch.get_num_threads()), "vip-noise") if draw is not None else None
+
+    def start(self, params: Sequence[nn.Parameter]) -> None:
+        """Starts drawing the noise of ``params`` not started yet (CPU ones only)."""
+        if self.pool is None:
+            return
+        for param in params:
+            if param in self.pending or param in self.settled or param.device.type != "cpu":
+                continue
+            buffer = torch.empty(param.shape, dtype=torch.float32)
+            futures = [self.pool.submit(self.draw.fill, self.index[param], buffer, block)
+                       for block in GaussianDraw.blocks(buffer.numel())]
+            self.pending[param] = (buffer, futures)
+
+    def settle(self, params: Sequence[nn.Parameter], sums: Sums) -> None:
+        """Adds the noise of each of ``params`` not settled yet to ``sums`` (becoming its entry)."""
+        if self.draw is None:
+            return
+        self.start(params)
+        for param in params:
+            if param in self.settled:
+                continue
+            if param in self.pending:
+                buffer, futures = self.pending.pop(param)
+                for future in futures:
+                    future.result()
+                noise = buffer.to(param.dtype)
+            else:
+                noise = self.draw.tensor(self.index[param], tuple(param.shape), dtype=param.dtype, device=param.device)
+            if param in sums:
+                noise.add_(sums[param])
+            sums[param] = noise
+            self.settled.add(param)
+        if len(self.settled) == len(self.index):
+            self.pool.shutdown(wait=False)
 
 
 def _check_arguments(
@@ -170,13 +229,6 @@ def _check_arguments(
         raise ValueError(f"expected_batch_size must be > 0, got {expected_batch_size}")
     if physical_batch_size is not None and physical_batch_size <= 0:
         raise ValueError(f"physical_batch_size must be > 0, got {physical_batch_size}")
-
-
-def _gaussian(param: nn.Parameter, std: float, noise: RandomStream | None) -> torch.Tensor:
-    """One N(0, std²) draw per element of ``param`` from ``noise``, on ``param``'s device and in its dtype."""
-    if std == 0:
-        return torch.zeros_like(param)
-    return noise.normal(param.shape, std, dtype=param.dtype, device=param.device)
 
 
 # ------------------------------------------------------------------------------------------------ planning
@@ -337,8 +389,9 @@ class _Capture(torch.autograd.Function):
 class _Tape:
     """Forward hooks on the supported layers that keep each call's input and route its output gradient."""
 
-    def __init__(self, plan: ModelPlan, batch: int) -> None:
+    def __init__(self, plan: ModelPlan, batch: int, on_gradient: Callable[[list[nn.Parameter]], None]) -> None:
         self.batch = batch
+        self.on_gradient = on_gradient
         self.anchor = torch.zeros((), requires_grad=True)
         self.rules: list[tuple[nn.Module, Rule]] = [(m, factory(n, m)) for n, m, factory in plan.layers]
         self.handles: list[Any] = []
@@ -362,7 +415,7 @@ class _Tape:
                     f"layer '{rule.name}' ran on an input of {layer_input.shape[0]} rows (output {output.shape[0]}) "
                     f"in a microbatch of {self.batch} samples: per-sample clipping needs the batch on dim 0"
                 )
-            call = _Call(rule, layer_input)
+            call = _Call(rule, layer_input, self.on_gradient)
             captured = _capture(output, self.anchor, module, call.receive)
             if rule.uses_output:
                 call.keep_output(captured.detach())
@@ -372,10 +425,13 @@ class _Tape:
 
 
 class _Call:
-    """One call of a layer: its input (and output, for rules that use it), checked for in-place changes."""
+    """One call of a layer: its input (and output, for rules that use it), checked for in-place changes; when
+    its output gradient arrives it is recorded and ``on_gradient`` is told the layer's parameters."""
 
-    def __init__(self, rule: Rule, layer_input: torch.Tensor) -> None:
+    def __init__(self, rule: Rule, layer_input: torch.Tensor,
+                 on_gradient: Callable[[list[nn.Parameter]], None]) -> None:
         self.rule = rule
+        self.on_gradient = on_gradient
         self.tensors = [layer_input]
         self.versions = [layer_input._version]
         self.output: torch.Tensor | None = None
@@ -392,6 +448,7 @@ class _Call:
                 "per-sample gradients need them unchanged"
             )
         self.rule.record(self.tensors[0], self.output, output_grad)
+        self.on_gradient(self.rule.params)
 
 
 def _capture(output: torch.Tensor, anchor: torch.Tensor, module: nn.Module, receive: Callable) -> torch.Tensor:
@@ -409,13 +466,14 @@ def _capture(output: torch.Tensor, anchor: torch.Tensor, module: nn.Module, rece
 
 def _add_microbatch(
     plan: ModelPlan, model: nn.Module, loss_fn: LossFn, inputs: Inputs, max_grad_norm: float, sums: Sums,
-    total: _Totals,
+    total: _Totals, noise: _StepNoise,
 ) -> None:
-    """Adds the clipped per-sample gradients of one microbatch to ``sums``."""
+    """Adds the clipped per-sample gradients of one microbatch to ``sums`` (each parameter's entry starting from
+    its noise)."""
     batch = batch_size_of(inputs)
     device = plan.params[0].device if plan.params else torch.device("cpu")
     _verify_per_sample_layout(plan, model, loss_fn, inputs, batch)
-    with _Tape(plan, batch) as tape:
+    with _Tape(plan, batch, on_gradient=noise.start) as tape:
         stand_ins = _stand_ins(plan, batch)
         losses = _losses(model, loss_fn, inputs, stand_ins, batch)
     plain_rules = [PlainRule(name, param) for name, param in plan.plain]
@@ -426,6 +484,7 @@ def _add_microbatch(
             grads = torch.autograd.grad(losses.sum(), wanted, allow_unused=True)
             for rule, grad in zip(plain_rules, grads[1:]):
                 rule.record_stand_in(grad)
+        noise.start(plan.params)  # the plain parameters and any layer the loss did not reach
         rules = [rule for _, rule in tape.rules] + plain_rules
         squared = torch.zeros(batch, device=device)
         for rule in rules:
@@ -435,6 +494,7 @@ def _add_microbatch(
             for rule in rules:
                 rule.zero_samples(finite)
         for rule in rules:
+            noise.settle(rule.params, sums)
             rule.add_clipped_sum(factors, sums)
     total.examples += batch
     total.loss_sum += losses.detach().float().sum()

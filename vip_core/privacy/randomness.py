@@ -9,11 +9,14 @@ run asks (which examples, how much noise, which mask) from one of two sources:
 * ``"default"``: numpy's PCG64DXSM keyed by a 128-bit :class:`numpy.random.SeedSequence` spawned per
   ``(rank, purpose)`` from the run's root entropy. A private run's root entropy is 128 bits of OS entropy
   (:func:`private_entropy`), drawn afresh by every run: an attacker who knows the configuration still has
-  2^128 keys to search. On a CUDA device the noise is drawn on the device by two Philox generators, each
-  keyed afresh for every draw with a 64-bit seed and a 62-bit offset from the stream, and averaged
-  (``(z₁ + z₂)/√2``, 252 bits of key per draw). PCG64DXSM is fast (as fast as torch's own CPU generator
-  here) but not a cryptographic generator: its output is predictable to someone who sees enough of it
-  raw, which a DP adversary never does (they see noisy sums).
+  2^128 keys to search. Gaussian noise is drawn as a :class:`GaussianDraw`: each draw takes a fresh 128-bit
+  key from the stream, and each block of ``NOISE_BLOCK`` coordinates of each tensor comes from its own
+  PCG64DXSM keyed by ``(draw key, tensor index, block)`` through a ``SeedSequence``, so the blocks can be
+  drawn on several threads, in any order, and still give the same values. On a CUDA device each tensor's
+  noise is drawn on the device by two Philox generators keyed by ``(draw key, tensor index)`` (a 64-bit seed
+  and a 62-bit offset each) and averaged (``(z₁ + z₂)/√2``). PCG64DXSM is fast (as fast as torch's own CPU
+  generator here) but not a cryptographic generator: its output is predictable to someone who sees enough
+  of it raw, which a DP adversary never does (they see noisy sums).
 * ``"secure"`` (``privacy.secure_mode``, in the spirit of opacus's secure_mode): every draw comes from the
   operating system's cryptographic generator (``os.urandom``, ChaCha20 in Linux), and each Gaussian
   coordinate is the sum of four independent draws divided by two (Holohan and Braghin, 2021), which
@@ -45,6 +48,7 @@ ENTROPY_BITS = 128
 _TWO_64 = 1 << 64
 _CHUNK = 1 << 22  # Poisson draws per chunk: bounds the memory of one step's draw over a large data set
 _SECURE_SUMMANDS = 4  # Holohan and Braghin: the sum of 4 N(0, 1/4) draws
+NOISE_BLOCK = 1 << 20  # Gaussian coordinates per independently keyed generator of a GaussianDraw
 
 
 def private_entropy() -> int:
@@ -80,7 +84,7 @@ class RandomStream:
     def bits(self, count: int) -> np.ndarray:
         """``[count]`` uniform uint64."""
         if self._numpy is None:
-            return np.frombuffer(os.urandom(8 * count), dtype=np.uint64).copy()
+            return _urandom_bits(count)
         return self._numpy.integers(0, _TWO_64, size=count, dtype=np.uint64, endpoint=False)
 
     def uniform(self, shape: tuple[int, ...]) -> torch.Tensor:
@@ -106,39 +110,27 @@ class RandomStream:
 
     def normal(self, shape: tuple[int, ...] | torch.Size, std: float, *, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu") -> torch.Tensor:
-        """N(0, std²) of ``shape``, drawn in float32 (or float64) and cast to ``dtype`` on ``device``."""
-        shape = tuple(shape)
-        device = torch.device(device)
-        if self._numpy is not None and device.type == "cuda":
-            return self._cuda_normal(shape, std, device).to(dtype)
-        unit = self._secure_normal(math.prod(shape)) if self._numpy is None else (
-            self._numpy.standard_normal(math.prod(shape), dtype=np.float32))
-        noise = torch.from_numpy(unit).reshape(shape).to(device=device, dtype=torch.float32)
-        return noise.mul_(std).to(dtype)
+        """N(0, std²) of ``shape``, drawn in float32 and cast to ``dtype`` on ``device`` (one :class:`GaussianDraw`)."""
+        return GaussianDraw(self, std).tensor(0, tuple(shape), dtype=dtype, device=torch.device(device))
 
-    def _secure_normal(self, count: int) -> np.ndarray:
+    def draw_key(self) -> int | None:
+        """128 fresh bits of this stream (None in secure mode, whose every draw is fresh CSPRNG output)."""
+        if self._numpy is None:
+            return None
+        high, low = (int(v) for v in self.bits(2))
+        return (high << 64) | low
+
+    def secure_normal(self, count: int) -> np.ndarray:
         """``[count]`` float32 N(0, 1): Box-Muller on 53-bit CSPRNG uniforms, four draws summed and halved."""
         total = np.zeros(count, dtype=np.float64)
         pairs = (count + 1) // 2
         for _ in range(_SECURE_SUMMANDS):
-            u1 = ((self.bits(pairs) >> np.uint64(11)).astype(np.float64) + 1.0) * 2.0**-53  # (0, 1]
-            u2 = (self.bits(pairs) >> np.uint64(11)).astype(np.float64) * 2.0**-53  # [0, 1)
+            u1 = ((_urandom_bits(pairs) >> np.uint64(11)).astype(np.float64) + 1.0) * 2.0**-53  # (0, 1]
+            u2 = (_urandom_bits(pairs) >> np.uint64(11)).astype(np.float64) * 2.0**-53  # [0, 1)
             radius = np.sqrt(-2.0 * np.log(u1))
             angle = 2.0 * np.pi * u2
             total += np.concatenate([radius * np.cos(angle), radius * np.sin(angle)])[:count]
         return (total / math.sqrt(_SECURE_SUMMANDS)).astype(np.float32)
-
-    def _cuda_normal(self, shape: tuple[int, ...], std: float, device: torch.device) -> torch.Tensor:
-        """The mean of two device Philox draws, each keyed afresh by 64 + 62 bits of this stream."""
-        total = None
-        for _ in range(2):
-            seed, offset = (int(v) for v in self.bits(2))
-            generator = torch.Generator(device=device)
-            generator.manual_seed(seed)
-            generator.set_offset((offset >> 2) << 2)  # Philox offsets are multiples of 4
-            draw = torch.randn(shape, generator=generator, device=device, dtype=torch.float32)
-            total = draw if total is None else total.add_(draw)
-        return total.mul_(std / math.sqrt(2.0))
 
     # ------------------------------------------------------------------------------------------- state
 
@@ -162,6 +154,73 @@ class RandomStream:
                 "state": {"state": int(state["state"]), "inc": int(state["inc"])},
                 "has_uint32": int(state["has_uint32"]), "uinteger": int(state["uinteger"]),
             }
+
+
+class GaussianDraw:
+    """One draw of N(0, std²) noise for a fixed list of tensors (a step's noise), whose values do not depend on
+    the order or the thread in which they are drawn.
+
+    Default mode: the draw takes a 128-bit key from ``stream``; block ``b`` (``NOISE_BLOCK`` coordinates) of
+    tensor ``i`` is drawn by a PCG64DXSM keyed by ``SeedSequence(key, spawn_key=(i, b))``, and on a CUDA
+    device tensor ``i`` by two Philox generators keyed by ``SeedSequence(key, spawn_key=(i,))``. Secure mode:
+    every block is fresh CSPRNG output (four Box-Muller draws summed and halved). The caller must give each
+    tensor of the draw its own index and fill each block once.
+
+    Args:
+        stream: the noise stream (advanced by one key, 128 bits, in default mode).
+        std: the standard deviation.
+    """
+
+    def __init__(self, stream: RandomStream, std: float) -> None:
+        self.std = std
+        self.secure = stream.mode == "secure"
+        self._stream = stream
+        self._key = stream.draw_key()
+
+    @staticmethod
+    def blocks(numel: int) -> range:
+        """The block numbers of a tensor of ``numel`` coordinates."""
+        return range((numel + NOISE_BLOCK - 1) // NOISE_BLOCK)
+
+    def fill(self, index: int, out: torch.Tensor, block: int) -> None:
+        """Writes block ``block`` of tensor ``index``'s noise into ``out`` (contiguous float32 on the CPU), in place."""
+        if out.dtype != torch.float32 or out.device.type != "cpu" or not out.is_contiguous():
+            raise ValueError("GaussianDraw.fill writes into a contiguous float32 CPU tensor")
+        part = out.view(-1)[block * NOISE_BLOCK:(block + 1) * NOISE_BLOCK]  # part: [≤ NOISE_BLOCK]
+        if self.secure:
+            part.copy_(torch.from_numpy(self._stream.secure_normal(part.numel())))
+        else:
+            sequence = np.random.SeedSequence(self._key, spawn_key=(index, block))
+            generator = np.random.Generator(np.random.PCG64DXSM(sequence))
+            generator.standard_normal(dtype=np.float32, out=part.numpy())
+        part.mul_(self.std)
+
+    def tensor(self, index: int, shape: tuple[int, ...], *, dtype: torch.dtype = torch.float32,
+               device: torch.device = torch.device("cpu")) -> torch.Tensor:
+        """Tensor ``index``'s whole noise, of ``shape``, cast to ``dtype`` on ``device``."""
+        if device.type == "cuda" and not self.secure:
+            return self._cuda_normal(index, shape, device).to(dtype)
+        noise = torch.empty(shape, dtype=torch.float32)
+        for block in self.blocks(noise.numel()):
+            self.fill(index, noise, block)
+        return noise.to(device=device, dtype=dtype)
+
+    def _cuda_normal(self, index: int, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """The mean of two device Philox draws, each keyed by a 64-bit seed and a 62-bit offset of this tensor."""
+        words = np.random.SeedSequence(self._key, spawn_key=(index,)).generate_state(4, dtype=np.uint64)
+        total = None
+        for seed, offset in ((int(words[0]), int(words[1])), (int(words[2]), int(words[3]))):
+            generator = torch.Generator(device=device)
+            generator.manual_seed(seed)
+            generator.set_offset((offset >> 2) << 2)  # Philox offsets are multiples of 4
+            draw = torch.randn(shape, generator=generator, device=device, dtype=torch.float32)
+            total = draw if total is None else total.add_(draw)
+        return total.mul_(self.std / math.sqrt(2.0))
+
+
+def _urandom_bits(count: int) -> np.ndarray:
+    """``[count]`` uniform uint64 from the OS CSPRNG."""
+    return np.frombuffer(os.urandom(8 * count), dtype=np.uint64).copy()
 
 
 def inclusion_threshold(sample_rate: float) -> int:

@@ -209,10 +209,10 @@ class PrivateStep(TrainingStep):
 
     def _gradients(self, inputs: Inputs, loss_fn: LossFn) -> tuple[float, float]:
         """Σ clip(gᵢ, C) of this rank's samples, plus (rank 0 only) the noise, over B; summed over ranks."""
-        clipped = ClippedGradientSum(self.model, max_grad_norm=self.plan.max_grad_norm)
+        clipped = ClippedGradientSum(self.model, max_grad_norm=self.plan.max_grad_norm,
+                                     noise_multiplier=self.noise_multiplier, noise=self.streams.noise)
         clipped.add(loss_fn, inputs, physical_batch_size=self.physical_batch_size)
-        stats = clipped.privatize(noise_multiplier=self.noise_multiplier, expected_batch_size=self.plan.batch_size,
-                                  noise=self.streams.noise)
+        stats = clipped.privatize(expected_batch_size=self.plan.batch_size)
         all_reduce_gradients(trainable_parameters(self.model))
         return all_reduce_sum(stats.loss_sum), all_reduce_sum(stats.examples)
 

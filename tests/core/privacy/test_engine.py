@@ -14,7 +14,7 @@ from vip_core.config import get_preset
 from vip_core.models.mae import build_mae
 from vip_core.privacy import per_sample
 from vip_core.privacy.engine import UnsupportedLayerError, privatized_gradients
-from vip_core.privacy.randomness import RandomStream
+from vip_core.privacy.randomness import RandomStream, private_entropy
 
 
 def reference_clipped_sum(model, loss_fn, inputs, max_grad_norm):
@@ -225,6 +225,40 @@ def test_noise_is_added_once_around_the_clipped_sum_and_follows_its_stream():
     assert residual.std().item() == pytest.approx(3.0 * 0.05 / 4.0, rel=0.05)
 
 
+def noisy_grads(model, loss_fn, inputs, seed, physical=None):
+    privatized_gradients(
+        model, loss_fn, inputs, max_grad_norm=0.05, noise_multiplier=3.0, expected_batch_size=4.0,
+        physical_batch_size=physical, noise=RandomStream(seed, 0, "noise"),
+    )
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_noise_does_not_depend_on_the_microbatches_or_the_helper_threads(threads):
+    torch.manual_seed(0)
+    vit, inputs = tiny_vit(), {"x": torch.randn(4, 3, 16, 16), "y": torch.randint(0, 3, (4,))}
+    seed = private_entropy()
+    whole = noisy_grads(vit, classification_loss, inputs, seed)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)  # the number of helper threads that draw the noise
+    try:
+        parts = noisy_grads(vit, classification_loss, inputs, seed, physical=1)
+    finally:
+        torch.set_num_threads(previous)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(whole, parts))
+    assert not all(torch.equal(a, b) for a, b in zip(whole, noisy_grads(vit, classification_loss, inputs, seed + 1)))
+
+
+def test_a_layer_the_loss_does_not_reach_still_gets_its_noise():
+    model = nn.ModuleDict({"used": nn.Linear(8, 1), "unused": nn.Linear(300, 300)})
+    privatized_gradients(
+        model, lambda m, x: m["used"](x).sum(-1), torch.randn(4, 8), max_grad_norm=0.5, noise_multiplier=2.0,
+        expected_batch_size=4.0, physical_batch_size=2, noise=RandomStream(3, 0, "noise"),
+    )
+    noise = torch.cat([model["unused"].weight.grad.flatten(), model["unused"].bias.grad])
+    assert noise.std().item() == pytest.approx(2.0 * 0.5 / 4.0, rel=0.03)
+
+
 # ------------------------------------------------------------------------------------------------ per-sample randomness
 
 
@@ -292,7 +326,8 @@ def test_unsupported_layers_raise_an_error_naming_them(model, inputs, named):
         return out
 
     with pytest.raises(UnsupportedLayerError, match=named):
-        privatized_gradients(model, loss, inputs, max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=2)
+        privatized_gradients(model, loss, inputs, max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=2,
+                             noise=RandomStream(1, 0, "noise"))
 
 
 def test_noise_without_a_stream_is_refused():
@@ -397,7 +432,7 @@ def test_a_loss_that_is_not_per_sample_is_refused():
     with pytest.raises(ValueError, match="one loss per sample"):
         privatized_gradients(
             nn.Linear(3, 1), lambda m, x: m(x).mean(), torch.randn(4, 3), max_grad_norm=1.0, noise_multiplier=1.0,
-            expected_batch_size=4,
+            expected_batch_size=4, noise=RandomStream(1, 0, "noise"),
         )
 
 

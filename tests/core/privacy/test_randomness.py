@@ -8,7 +8,10 @@ import math
 import pytest
 import torch
 
-from vip_core.privacy.randomness import ENTROPY_BITS, RandomStream, private_entropy
+from concurrent.futures import ThreadPoolExecutor
+
+from vip_core.privacy import randomness
+from vip_core.privacy.randomness import ENTROPY_BITS, GaussianDraw, RandomStream, private_entropy
 
 PURPOSES = ("sampling", "noise", "sample")
 
@@ -94,6 +97,56 @@ def test_secure_gaussians_are_four_box_muller_draws_from_the_csprng_summed_and_h
         radius = np.sqrt(-2.0 * np.log(u1))
         expected += np.concatenate([radius * np.cos(2 * np.pi * u2), radius * np.sin(2 * np.pi * u2)])
     assert np.allclose(got.numpy(), (expected / 2).astype(np.float32), rtol=1e-6)
+
+
+def fill_all(draw: GaussianDraw, shapes: list[tuple[int, ...]], order: list[tuple[int, int]], pool=None) -> list:
+    tensors = [torch.full(shape, float("nan")) for shape in shapes]
+    jobs = [(index, tensors[index], block) for index, block in order]
+    if pool is None:
+        for job in jobs:
+            draw.fill(*job)
+    else:
+        list(pool.map(lambda job: draw.fill(*job), jobs))
+    return tensors
+
+
+def test_a_gaussian_draw_gives_the_same_noise_in_any_order_on_any_thread_and_fresh_noise_per_block(monkeypatch):
+    monkeypatch.setattr(randomness, "NOISE_BLOCK", 1000)
+    shapes = [(50, 70), (999,), (3, 1001)]  # 4, 1 and 4 blocks of 1,000 coordinates
+    order = [(i, b) for i, shape in enumerate(shapes) for b in GaussianDraw.blocks(math.prod(shape))]
+    assert len(order) == 9
+    seed = private_entropy()
+    in_order = fill_all(GaussianDraw(RandomStream(seed, 0, "noise"), 0.5), shapes, order)
+    backwards = fill_all(GaussianDraw(RandomStream(seed, 0, "noise"), 0.5), shapes, order[::-1])
+    with ThreadPoolExecutor(3) as pool:
+        threaded = fill_all(GaussianDraw(RandomStream(seed, 0, "noise"), 0.5), shapes, order, pool)
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(in_order, backwards, threaded))
+    flat = torch.cat([t.flatten() for t in in_order])
+    assert not flat.isnan().any() and flat.std().item() == pytest.approx(0.5, rel=0.03)
+    blocks = [b[:100] for t in in_order for b in t.flatten().split(1000)]
+    assert len({tuple(b.tolist()) for b in blocks}) == len(blocks)  # no block repeats another's draws
+    whole = GaussianDraw(RandomStream(seed, 0, "noise"), 0.5).tensor(2, (3, 1001))
+    assert torch.equal(whole, in_order[2])
+
+
+def test_each_gaussian_draw_takes_one_fresh_key_from_the_stream_and_a_resumed_stream_draws_the_same():
+    stream = RandomStream(private_entropy(), 0, "noise")
+    first = GaussianDraw(stream, 1.0).tensor(0, (64,))
+    state = stream.state_dict()
+    second = GaussianDraw(stream, 1.0).tensor(0, (64,))
+    assert not torch.equal(first, second)
+    resumed = RandomStream(private_entropy(), 0, "noise")
+    resumed.load_state_dict(state)
+    assert torch.equal(GaussianDraw(resumed, 1.0).tensor(0, (64,)), second)
+    assert not torch.equal(GaussianDraw(stream, 1.0).tensor(1, (64,)), GaussianDraw(stream, 1.0).tensor(0, (64,)))
+
+
+def test_a_gaussian_draw_fills_only_contiguous_float32_cpu_tensors():
+    draw = GaussianDraw(RandomStream(1, 0, "noise"), 1.0)
+    with pytest.raises(ValueError, match="contiguous float32 CPU"):
+        draw.fill(0, torch.zeros(4, dtype=torch.float64), 0)
+    with pytest.raises(ValueError, match="contiguous float32 CPU"):
+        draw.fill(0, torch.zeros(4, 4).t(), 0)
 
 
 def test_secure_mode_has_no_state_and_never_repeats_itself():
