@@ -21,6 +21,12 @@ and frees them when the storage dies; the peak of that count plus the bytes of t
 optimiser state held before the step is the step's peak. It measures tensors, not the allocator or
 the Python heap, identically for every mode, and runs apart from the timed rounds (it slows them).
 
+``phases_s``: where a step's time goes, for ``nonprivate`` and ``dp``: the seconds in each range the steps and
+the engine label (``forward``; ``backward``, activation gradients only in ``dp``; ``norms``, the per-sample norms and
+clip factors; ``clipped_sum``, the clipped sums including ``noise_wait``, the time spent waiting for the helper
+threads that draw the noise; ``optimizer``), the median over a few steps run under torch's profiler after the
+timed rounds (its overhead included, so they do not add up to the timed medians exactly).
+
 ``max_abs_err_vs_naive``: the engine's clipped sum (noise off) against a one-sample-at-a-time autograd
 reference on the first samples of the batch, with fixed masks, as the largest absolute difference.
 """
@@ -72,6 +78,7 @@ def _bench(preset: str, img_size: int, batch: int, repeats: int, warmup: int, op
     steps = _step_functions(config, images, opacus, precision)
     seconds, cpu_seconds = _interleaved_medians(steps, repeats, warmup)
     peaks = {name: _peak_bytes(step, state) for name, (step, state) in steps.items()}
+    phases = {name: _phase_medians(steps[name][0]) for name in ("nonprivate", "dp")}
     result: dict[str, Any] = {
         "preset": preset, "img_size": img_size, "batch": batch, "repeats": repeats, "precision": precision,
         "threads": torch.get_num_threads(),
@@ -89,6 +96,7 @@ def _bench(preset: str, img_size: int, batch: int, repeats: int, warmup: int, op
             result[f"{mode}_ratio"] = seconds[mode] / seconds["nonprivate"]
             result[f"{mode}_cpu_ratio"] = cpu_seconds[mode] / cpu_seconds["nonprivate"]
             result[f"{mode}_peak_mem_ratio"] = peaks[mode] / peaks["nonprivate"]
+    result["phases_s"] = phases
     result["max_abs_err_vs_naive"] = naive_error(config, images[:NAIVE_SAMPLES])
     result["target_ratio"] = TARGET_RATIO
     if opacus:
@@ -107,6 +115,8 @@ def _step_functions(config: Any, images: Any, opacus: bool,
                     precision: str) -> dict[str, tuple[Callable[[], None], list]]:
     """``name -> (one optimiser step, tensors held between steps)`` for every mode, each on its own copy, with
     its forward in ``precision``."""
+    from torch.profiler import record_function
+
     from vip_core.models.mae import build_mae
     from vip_core.privacy.optimizer import dp_adamw
     from vip_core.train.precision import autocast
@@ -122,9 +132,13 @@ def _step_functions(config: Any, images: Any, opacus: bool,
     plain_opt = dp_adamw(plain, lr=LR)
 
     def nonprivate() -> None:
-        plain_opt.zero_grad(set_to_none=True)
-        forward(plain, images)[0].float().mean().backward()
-        plain_opt.step()
+        with record_function("vip.forward"):
+            loss = forward(plain, images)[0].float().mean()
+        with record_function("vip.backward"):
+            loss.backward()
+        with record_function("vip.optimizer"):
+            plain_opt.step()
+            plain_opt.zero_grad(set_to_none=True)
 
     steps["nonprivate"] = (nonprivate, [plain, plain_opt])
 
@@ -280,6 +294,24 @@ def _interleaved_medians(
         {name: statistics.median(values) for name, values in wall.items()},
         {name: statistics.median(values) for name, values in cpu.items()},
     )
+
+
+PROFILED_ROUNDS = 3
+
+
+def _phase_medians(step: Callable[[], None]) -> dict[str, float]:
+    """Seconds in each ``vip.*`` phase of one step (the ranges the engine and the steps label: forward,
+    backward, norms, clipped_sum with the noise_wait inside it, optimizer), the median over
+    ``PROFILED_ROUNDS`` steps run under torch's profiler (whose own overhead they include)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    rounds: list[dict[str, float]] = []
+    for _ in range(PROFILED_ROUNDS):
+        with profile(activities=[ProfilerActivity.CPU]) as profiler:
+            step()
+        rounds.append({event.key.removeprefix("vip."): event.cpu_time_total / 1e6
+                       for event in profiler.key_averages() if event.key.startswith("vip.")})
+    return {name: statistics.median(r.get(name, 0.0) for r in rounds) for name in sorted(rounds[0])}
 
 
 def _peak_bytes(step: Callable[[], None], held: list) -> int:

@@ -41,6 +41,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 from torch.func import functional_call
+from torch.profiler import record_function
 
 from vip_core.privacy.per_sample import RULES, PlainRule, Rule, Sums
 from vip_core.privacy.randomness import GaussianDraw, RandomStream
@@ -205,8 +206,9 @@ class _StepNoise:
                 continue
             if param in self.pending:
                 buffer, futures = self.pending.pop(param)
-                for future in futures:
-                    future.result()
+                with record_function("vip.noise_wait"):
+                    for future in futures:
+                        future.result()
                 noise = buffer.to(param.dtype)
             else:
                 noise = self.draw.tensor(self.index[param], tuple(param.shape), dtype=param.dtype, device=param.device)
@@ -473,29 +475,32 @@ def _add_microbatch(
     batch = batch_size_of(inputs)
     device = plan.params[0].device if plan.params else torch.device("cpu")
     _verify_per_sample_layout(plan, model, loss_fn, inputs, batch)
-    with _Tape(plan, batch, on_gradient=noise.start) as tape:
+    with record_function("vip.forward"), _Tape(plan, batch, on_gradient=noise.start) as tape:
         stand_ins = _stand_ins(plan, batch)
         losses = _losses(model, loss_fn, inputs, stand_ins, batch)
     plain_rules = [PlainRule(name, param) for name, param in plan.plain]
     with full_float32(device):
         if losses.requires_grad:
             _check_parameter_uses(losses, plan, tape)
-            wanted = [tape.anchor, *stand_ins.values()]
-            grads = torch.autograd.grad(losses.sum(), wanted, allow_unused=True)
-            for rule, grad in zip(plain_rules, grads[1:]):
-                rule.record_stand_in(grad)
+            with record_function("vip.backward"):
+                wanted = [tape.anchor, *stand_ins.values()]
+                grads = torch.autograd.grad(losses.sum(), wanted, allow_unused=True)
+                for rule, grad in zip(plain_rules, grads[1:]):
+                    rule.record_stand_in(grad)
         noise.start(plan.params)  # the plain parameters and any layer the loss did not reach
         rules = [rule for _, rule in tape.rules] + plain_rules
-        squared = torch.zeros(batch, device=device)
-        for rule in rules:
-            squared += rule.squared_norms(batch, device).to(device)
-        factors, finite = clip_factors(squared, max_grad_norm)
-        if not bool(finite.all()):
+        with record_function("vip.norms"):
+            squared = torch.zeros(batch, device=device)
             for rule in rules:
-                rule.zero_samples(finite)
-        for rule in rules:
-            noise.settle(rule.params, sums)
-            rule.add_clipped_sum(factors, sums)
+                squared += rule.squared_norms(batch, device).to(device)
+            factors, finite = clip_factors(squared, max_grad_norm)
+            if not bool(finite.all()):
+                for rule in rules:
+                    rule.zero_samples(finite)
+        with record_function("vip.clipped_sum"):
+            for rule in rules:
+                noise.settle(rule.params, sums)
+                rule.add_clipped_sum(factors, sums)
     total.examples += batch
     total.loss_sum += losses.detach().float().sum()
     total.clipped += ((squared.sqrt() > max_grad_norm) & finite).sum()

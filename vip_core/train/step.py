@@ -32,6 +32,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from vip_core.privacy.engine import ClippedGradientSum, Inputs, split_batch
 from vip_core.privacy.ledger import PrivacyLedger
@@ -141,8 +142,9 @@ class TrainingStep(abc.ABC):
         loss_sum, examples = self._gradients(batch(local, self.streams.sample), loss_fn)
         if observe is not None:
             observe(self.model)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with record_function("vip.optimizer"):
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         self.taken += 1
         epsilon = self._account()
         return StepReport(step=self.taken, lr=lr, epsilon=epsilon, loss=loss_sum / max(examples, 1.0),
