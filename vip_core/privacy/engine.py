@@ -119,8 +119,9 @@ class ClippedGradientSum:
     The noise is one :class:`~vip_core.privacy.randomness.GaussianDraw` taken when the sum is created. Each
     parameter's share is drawn on helper threads into a buffer of its own as soon as the first backward
     reaches the parameter's layer (when a non-private backward would allocate its gradient), and the clipped
-    sums are added into those buffers: the draw overlaps the backward and needs no second parameter-sized
-    buffer. The values do not depend on the threads or the microbatches.
+    sums are added into those buffers: the draw overlaps the backward and, for float32 parameters, needs no
+    second parameter-sized buffer. The values do not depend on the threads or the microbatches. One object
+    sums and privatizes one logical batch: after :meth:`privatize` it refuses to go on.
 
     Args:
         model: the model (see :func:`privatized_gradients` for what it may contain).
@@ -143,12 +144,15 @@ class ClippedGradientSum:
         self.totals = _Totals()
         draw = GaussianDraw(noise, noise_multiplier * max_grad_norm) if noise_multiplier > 0 else None
         self.noise = _StepNoise(self.plan.params, draw)
+        self.privatized = False
 
     def add(self, loss_fn: LossFn, inputs: Inputs, *, physical_batch_size: int | None = None) -> None:
         """Adds the clipped per-sample gradients of ``inputs``, in microbatches of ``physical_batch_size``."""
-        for chunk in split_batch(inputs, physical_batch_size):
-            _add_microbatch(self.plan, self.model, loss_fn, chunk, self.max_grad_norm, self.sums, self.totals,
-                            self.noise)
+        self._check_open()
+        with self.noise.closed_on_error():
+            for chunk in split_batch(inputs, physical_batch_size):
+                _add_microbatch(self.plan, self.model, loss_fn, chunk, self.max_grad_norm, self.sums, self.totals,
+                                self.noise)
 
     def privatize(self, *, expected_batch_size: float) -> StepStats:
         """Sets each trainable parameter's ``.grad`` to (sum + N(0, σ²C²I)) / expected_batch_size.
@@ -160,12 +164,21 @@ class ClippedGradientSum:
             Monitoring statistics of the batch (not private).
         """
         _check_arguments(self.max_grad_norm, 0.0, expected_batch_size, None)
-        self.noise.settle(self.plan.params, self.sums)
+        self._check_open()
+        self.privatized = True
+        with self.noise.closed_on_error():
+            self.noise.settle(self.plan.params, self.sums)
         for param in self.plan.params:
             total = self.sums.pop(param) if param in self.sums else torch.zeros_like(param)
             param.grad = total.div_(expected_batch_size)
         t = self.totals
         return StepStats(t.examples, float(t.loss_sum), int(t.clipped), int(t.non_finite))
+
+
+    def _check_open(self) -> None:
+        if self.privatized:
+            raise RuntimeError("this ClippedGradientSum was privatized already: its noise is spent, so it cannot sum "
+                               "or privatize another batch; create one per logical batch")
 
 
 class _StepNoise:
@@ -191,7 +204,7 @@ class _StepNoise:
         for param in params:
             if param in self.pending or param in self.settled or param.device.type != "cpu":
                 continue
-            buffer = torch.empty(param.shape, dtype=torch.float32)
+            buffer = torch.empty(param.shape, dtype=torch.float32, device="cpu")
             futures = [self.pool.submit(self.draw.fill, self.index[param], buffer, block)
                        for block in GaussianDraw.blocks(buffer.numel())]
             self.pending[param] = (buffer, futures)
@@ -218,6 +231,16 @@ class _StepNoise:
             self.settled.add(param)
         if len(self.settled) == len(self.index):
             self.pool.shutdown(wait=False)
+
+    @contextlib.contextmanager
+    def closed_on_error(self) -> Iterator[None]:
+        """Stops the helper threads (pending draws cancelled) when the enclosed code raises."""
+        try:
+            yield
+        except BaseException:
+            if self.pool is not None:
+                self.pool.shutdown(wait=False, cancel_futures=True)
+            raise
 
 
 def _check_arguments(

@@ -200,7 +200,7 @@ class GaussianDraw:
         """Tensor ``index``'s whole noise, of ``shape``, cast to ``dtype`` on ``device``."""
         if device.type == "cuda" and not self.secure:
             return self._cuda_normal(index, shape, device).to(dtype)
-        noise = torch.empty(shape, dtype=torch.float32)
+        noise = torch.empty(shape, dtype=torch.float32, device="cpu")
         for block in self.blocks(noise.numel()):
             self.fill(index, noise, block)
         return noise.to(device=device, dtype=dtype)

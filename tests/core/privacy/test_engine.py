@@ -13,7 +13,7 @@ from timm.models.vision_transformer import VisionTransformer
 from vip_core.config import get_preset
 from vip_core.models.mae import build_mae
 from vip_core.privacy import per_sample
-from vip_core.privacy.engine import UnsupportedLayerError, privatized_gradients
+from vip_core.privacy.engine import ClippedGradientSum, UnsupportedLayerError, privatized_gradients
 from vip_core.privacy.randomness import RandomStream, private_entropy
 
 
@@ -247,6 +247,33 @@ def test_the_noise_does_not_depend_on_the_microbatches_or_the_helper_threads(thr
         torch.set_num_threads(previous)
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(whole, parts))
     assert not all(torch.equal(a, b) for a, b in zip(whole, noisy_grads(vit, classification_loss, inputs, seed + 1)))
+
+
+def test_a_privatized_sum_refuses_a_second_batch_whose_noise_would_be_spent():
+    model = nn.Linear(3, 2)
+    clipped = ClippedGradientSum(model, max_grad_norm=1.0, noise_multiplier=1.0, noise=RandomStream(1, 0, "noise"))
+    clipped.add(lambda m, x: m(x).sum(-1), torch.randn(4, 3))
+    clipped.privatize(expected_batch_size=4.0)
+    with pytest.raises(RuntimeError, match="privatized already"):
+        clipped.add(lambda m, x: m(x).sum(-1), torch.randn(4, 3))
+    with pytest.raises(RuntimeError, match="privatized already"):
+        clipped.privatize(expected_batch_size=4.0)
+
+
+def test_a_step_that_fails_stops_its_noise_threads_and_sets_no_gradient():
+    model = nn.Sequential(nn.Linear(3, 400), nn.Linear(400, 400))
+
+    def failing(m, x):
+        m[0](x)
+        raise RuntimeError("the loss failed")
+
+    clipped = ClippedGradientSum(model, max_grad_norm=1.0, noise_multiplier=1.0, noise=RandomStream(1, 0, "noise"))
+    clipped.noise.start(list(model.parameters()))
+    with pytest.raises(RuntimeError, match="the loss failed"):
+        clipped.add(failing, torch.randn(4, 3))
+    with pytest.raises(RuntimeError, match="shutdown"):  # the helper threads are stopped
+        clipped.noise.pool.submit(print)
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_a_layer_the_loss_does_not_reach_still_gets_its_noise():
