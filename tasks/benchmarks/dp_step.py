@@ -6,7 +6,10 @@ round, after warm-up (one torch thread by default, which keeps the figures stead
 Poisson draw, masks and noise from 128-bit-keyed streams, per-sample clipping, DP-AdamW, ledger),
 ``dp_secure`` (the same in secure mode: every random number from the OS CSPRNG, four-draw Gaussian),
 ``opacus_hooks`` and ``opacus_ghost`` (opacus 1.6.0 ``GradSampleModule`` + ``DPOptimizer``, and ghost
-clipping). Each time is the median over the rounds, of
+clipping). ``--microbatches K`` makes a step a logical batch of K physical batches of ``--batch`` (the
+non-private step accumulates K backward passes; the private step sums K microbatches' clipped gradients),
+with the noise and the optimiser step once per logical step, as in a real run. Each time is the median
+over the rounds, of
 wall-clock time (``*_ratio``) and of this process's CPU time (``*_cpu_ratio``, steadier when other
 processes compete for the cores). ``--precision bf16`` runs every mode's forward under bfloat16 autocast
 (the engine keeps per-sample norms and clipped sums in float32).
@@ -46,9 +49,12 @@ NAIVE_SAMPLES = 8
 
 def bench_dp_step(
     *, preset: str, img_size: int, batch: int, repeats: int, warmup: int, threads: int, opacus: bool, seed: int,
-    precision: str = "fp32",
+    precision: str = "fp32", microbatches: int = 1,
 ) -> dict[str, Any]:
-    """Times and measures every mode on the MAE of ``preset`` at ``img_size``; returns the figures."""
+    """Times and measures every mode on the MAE of ``preset`` at ``img_size``, a logical step being
+    ``microbatches`` physical batches of ``batch``; returns the figures."""
+    if microbatches > 1 and opacus:
+        raise ValueError("--microbatches above 1 times this engine and the non-private step only: add --no-opacus")
     import torch
 
     previous_threads = torch.get_num_threads()
@@ -57,13 +63,13 @@ def bench_dp_step(
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Full backward hook", category=UserWarning)
-            return _bench(preset, img_size, batch, repeats, warmup, opacus, seed, precision)
+            return _bench(preset, img_size, batch, repeats, warmup, opacus, seed, precision, microbatches)
     finally:
         torch.set_num_threads(previous_threads)
 
 
 def _bench(preset: str, img_size: int, batch: int, repeats: int, warmup: int, opacus: bool, seed: int,
-           precision: str) -> dict[str, Any]:
+           precision: str, microbatches: int) -> dict[str, Any]:
     import torch
 
     from vip_core.config import get_preset, with_overrides
@@ -74,13 +80,14 @@ def _bench(preset: str, img_size: int, batch: int, repeats: int, warmup: int, op
         raise ValueError(f"--img-size {img_size} is not a multiple of the preset's patch size {patch}")
     config = with_overrides(config, {"model.img_size": img_size})
     torch.manual_seed(seed)
-    images = torch.randn(batch, 3, img_size, img_size)  # images: [B, 3, S, S]
-    steps = _step_functions(config, images, opacus, precision)
+    images = torch.randn(microbatches * batch, 3, img_size, img_size)  # images: [K*B, 3, S, S]
+    steps = _step_functions(config, images, batch, opacus, precision)
     seconds, cpu_seconds = _interleaved_medians(steps, repeats, warmup)
     peaks = {name: _peak_bytes(step, state) for name, (step, state) in steps.items()}
     phases = {name: _phase_medians(steps[name][0]) for name in ("nonprivate", "dp")}
     result: dict[str, Any] = {
-        "preset": preset, "img_size": img_size, "batch": batch, "repeats": repeats, "precision": precision,
+        "preset": preset, "img_size": img_size, "batch": batch, "microbatches": microbatches,
+        "repeats": repeats, "precision": precision,
         "threads": torch.get_num_threads(),
         "nonprivate_s": seconds["nonprivate"], "dp_s": seconds["dp"],
         "dp_ratio": seconds["dp"] / seconds["nonprivate"],
@@ -111,7 +118,7 @@ NOISE_MULTIPLIER = 1.0
 LR = 1e-4
 
 
-def _step_functions(config: Any, images: Any, opacus: bool,
+def _step_functions(config: Any, images: Any, batch: int, opacus: bool,
                     precision: str) -> dict[str, tuple[Callable[[], None], list]]:
     """``name -> (one optimiser step, tensors held between steps)`` for every mode, each on its own copy, with
     its forward in ``precision``."""
@@ -131,11 +138,14 @@ def _step_functions(config: Any, images: Any, opacus: bool,
     plain = copy.deepcopy(base)
     plain_opt = dp_adamw(plain, lr=LR)
 
+    chunks = images.split(batch)
+
     def nonprivate() -> None:
-        with record_function("vip.forward"):
-            loss = forward(plain, images)[0].float().mean()
-        with record_function("vip.backward"):
-            loss.backward()
+        for chunk in chunks:  # gradient accumulation over the logical batch
+            with record_function("vip.forward"):
+                loss = forward(plain, chunk)[0].float().sum() / images.shape[0]
+            with record_function("vip.backward"):
+                loss.backward()
         with record_function("vip.optimizer"):
             plain_opt.step()
             plain_opt.zero_grad(set_to_none=True)
@@ -143,16 +153,18 @@ def _step_functions(config: Any, images: Any, opacus: bool,
     steps["nonprivate"] = (nonprivate, [plain, plain_opt])
 
     for name, secure in (("dp", False), ("dp_secure", True)):
-        steps[name] = _private_step(base, images, forward, secure=secure)
+        steps[name] = _private_step(base, images, batch, forward, secure=secure)
     if opacus:
         steps["opacus_ghost"] = _opacus_step(base, images, forward, ghost=True)
         steps["opacus_hooks"] = _opacus_step(base, images, forward, ghost=False)
     return steps
 
 
-def _private_step(base: Any, images: Any, forward: Callable, *, secure: bool) -> tuple[Callable[[], None], list]:
+def _private_step(base: Any, images: Any, physical: int, forward: Callable, *,
+                  secure: bool) -> tuple[Callable[[], None], list]:
     """vip's private step (:class:`~vip_core.train.step.PrivateStep`) with q = 1, so that every image is in
-    every step: Poisson draw, masks and noise from its random streams, clipping, DP-AdamW, ledger."""
+    every step, in microbatches of ``physical``: Poisson draw, masks and noise from its random streams,
+    clipping, DP-AdamW, ledger."""
     from vip_core.config import PrivacyConfig
     from vip_core.privacy.plan import plan_privacy
     from vip_core.train.schedule import Schedule
@@ -164,7 +176,7 @@ def _private_step(base: Any, images: Any, forward: Callable, *, secure: bool) ->
                            delta=1e-5, accountant="rdp", secure_mode=secure)
     plan = plan_privacy(budget, dataset_size=batch, batch_size=batch, steps=10_000, fingerprint="bench")
     step = PrivateStep(model, plan, Schedule(peak_lr=LR, total_steps=10_000, kind="constant"),
-                       physical_batch_size=None)
+                       physical_batch_size=physical)
 
     def run() -> None:
         step(lambda local, stream: (images[local], stream.uniform((len(local), model.num_patches))),

@@ -25,7 +25,10 @@ def _register_dp_step(benchmarks: Any) -> None:
     add_json(parser)
     add_preset(parser)
     parser.add_argument("--img-size", type=count(1), default=32, help="image side in pixels (default: 32)")
-    parser.add_argument("--batch", type=count(1), default=64, help="samples per step (default: 64)")
+    parser.add_argument("--batch", type=count(1), default=64, help="samples per physical batch (default: 64)")
+    parser.add_argument("--microbatches", type=count(1), default=1,
+                        help="physical batches per logical step, accumulated before the noise and the optimiser "
+                        "step (default: 1); above 1 needs --no-opacus")
     parser.add_argument("--repeats", type=count(1), default=7, help="timed rounds of every mode (default: 7)")
     parser.add_argument("--warmup", type=count(0), default=2, help="untimed rounds first (default: 2)")
     parser.add_argument("--threads", type=count(0), default=1,
@@ -112,7 +115,7 @@ def handle_dp_step(args: argparse.Namespace) -> int:
 
     result = bench_dp_step(preset=args.preset, img_size=args.img_size, batch=args.batch, repeats=args.repeats,
                            warmup=args.warmup, threads=args.threads, opacus=not args.no_opacus, seed=args.seed,
-                           precision=args.precision)
+                           precision=args.precision, microbatches=args.microbatches)
     return _report(args, result, [f"{key:>28}: {value}" for key, value in result.items()])
 
 

@@ -28,6 +28,22 @@ def test_bench_dp_step_prints_the_figures_as_json(capsys):
     assert result["dp_ratio"] == result["dp_s"] / result["nonprivate_s"]
 
 
+def test_bench_dp_step_times_a_logical_step_of_several_microbatches_phase_by_phase(capsys):
+    code = main(["bench", "dp-step", "--json", "--batch", "4", "--microbatches", "3", "--repeats", "1", "--warmup",
+                 "0", "--no-opacus"])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["microbatches"] == 3 and result["batch"] == 4
+    assert set(result["phases_s"]["nonprivate"]) == {"forward", "backward", "optimizer"}
+    assert set(result["phases_s"]["dp"]) == {"forward", "backward", "norms", "clipped_sum", "noise_wait", "optimizer"}
+    assert all(seconds > 0 for mode in result["phases_s"].values() for seconds in mode.values())
+
+
+def test_bench_refuses_microbatches_with_the_opacus_modes(capsys):
+    assert main(["bench", "dp-step", "--json", "--microbatches", "2"]) == 2
+    assert "--no-opacus" in capsys.readouterr().err
+
+
 def test_bench_rejects_an_image_size_that_does_not_fit_the_patches(capsys):
     assert main(["bench", "dp-step", "--json", "--img-size", "30"]) == 2
     assert "img-size" in capsys.readouterr().err
