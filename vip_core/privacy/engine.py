@@ -174,7 +174,6 @@ class ClippedGradientSum:
         t = self.totals
         return StepStats(t.examples, float(t.loss_sum), int(t.clipped), int(t.non_finite))
 
-
     def _check_open(self) -> None:
         if self.privatized:
             raise RuntimeError("this ClippedGradientSum was privatized already: its noise is spent, so it cannot sum "

@@ -120,18 +120,6 @@ class RandomStream:
         high, low = (int(v) for v in self.bits(2))
         return (high << 64) | low
 
-    def secure_normal(self, count: int) -> np.ndarray:
-        """``[count]`` float32 N(0, 1): Box-Muller on 53-bit CSPRNG uniforms, four draws summed and halved."""
-        total = np.zeros(count, dtype=np.float64)
-        pairs = (count + 1) // 2
-        for _ in range(_SECURE_SUMMANDS):
-            u1 = ((_urandom_bits(pairs) >> np.uint64(11)).astype(np.float64) + 1.0) * 2.0**-53  # (0, 1]
-            u2 = (_urandom_bits(pairs) >> np.uint64(11)).astype(np.float64) * 2.0**-53  # [0, 1)
-            radius = np.sqrt(-2.0 * np.log(u1))
-            angle = 2.0 * np.pi * u2
-            total += np.concatenate([radius * np.cos(angle), radius * np.sin(angle)])[:count]
-        return (total / math.sqrt(_SECURE_SUMMANDS)).astype(np.float32)
-
     # ------------------------------------------------------------------------------------------- state
 
     def state_dict(self) -> dict[str, Any]:
@@ -174,7 +162,6 @@ class GaussianDraw:
     def __init__(self, stream: RandomStream, std: float) -> None:
         self.std = std
         self.secure = stream.mode == "secure"
-        self._stream = stream
         self._key = stream.draw_key()
 
     @staticmethod
@@ -188,7 +175,7 @@ class GaussianDraw:
             raise ValueError("GaussianDraw.fill writes into a contiguous float32 CPU tensor")
         part = out.view(-1)[block * NOISE_BLOCK:(block + 1) * NOISE_BLOCK]  # part: [≤ NOISE_BLOCK]
         if self.secure:
-            part.copy_(torch.from_numpy(self._stream.secure_normal(part.numel())))
+            part.copy_(torch.from_numpy(_secure_normal(part.numel())))
         else:
             sequence = np.random.SeedSequence(self._key, spawn_key=(index, block))
             generator = np.random.Generator(np.random.PCG64DXSM(sequence))
@@ -216,6 +203,19 @@ class GaussianDraw:
             draw = torch.randn(shape, generator=generator, device=device, dtype=torch.float32)
             total = draw if total is None else total.add_(draw)
         return total.mul_(self.std / math.sqrt(2.0))
+
+
+def _secure_normal(count: int) -> np.ndarray:
+    """``[count]`` float32 N(0, 1): Box-Muller on 53-bit CSPRNG uniforms, four draws summed and halved."""
+    total = np.zeros(count, dtype=np.float64)
+    pairs = (count + 1) // 2
+    for _ in range(_SECURE_SUMMANDS):
+        u1 = ((_urandom_bits(pairs) >> np.uint64(11)).astype(np.float64) + 1.0) * 2.0**-53  # (0, 1]
+        u2 = (_urandom_bits(pairs) >> np.uint64(11)).astype(np.float64) * 2.0**-53  # [0, 1)
+        radius = np.sqrt(-2.0 * np.log(u1))
+        angle = 2.0 * np.pi * u2
+        total += np.concatenate([radius * np.cos(angle), radius * np.sin(angle)])[:count]
+    return (total / math.sqrt(_SECURE_SUMMANDS)).astype(np.float32)
 
 
 def _urandom_bits(count: int) -> np.ndarray:
