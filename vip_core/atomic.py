@@ -1,8 +1,8 @@
 """Atomic writes: a file or a folder appears whole under its name, or not at all.
 
-Every writer in the project goes through :func:`atomic_path`. It hands out a hidden sibling of the target,
-``.<name>.<pid>-<thread>.partial``, and renames it onto the target when the block ends without an error
-(it is removed when the block raises). A reader never sees half a file, two writers never share a
+Every writer in the project goes through :func:`atomic_path` (or :func:`create_text`, which never replaces an
+existing file). It hands out a hidden sibling of the target, ``.<name>.<pid>-<thread>.partial``, and renames
+it onto the target when the block ends without an error (it is removed when the block raises). A reader never sees half a file, two writers never share a
 temporary, and a killed writer leaves only a ``*.partial`` behind, which :func:`remove_partials` clears.
 """
 
@@ -58,6 +58,23 @@ def write_text(path: str | Path, text: str) -> Path:
 def write_json(path: str | Path, payload: Any, indent: int | None = 2) -> Path:
     """Writes ``payload`` as JSON (values it cannot encode as their ``str``) to ``path`` atomically."""
     return write_text(path, json.dumps(payload, indent=indent, default=str))
+
+
+def create_text(path: str | Path, text: str) -> bool:
+    """Writes ``text`` to ``path`` whole and only if ``path`` does not exist yet: the partial file is linked into
+    place, so a killed writer leaves no truncated file and a concurrent first writer's file is never overwritten.
+    Returns False when ``path`` existed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = partial_path(path)
+    partial.write_text(text)
+    try:
+        os.link(partial, path)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        _remove(partial)
 
 
 def remove_partials(folder: str | Path, prefix: str = "") -> None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Mapping
@@ -27,7 +26,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from vip_core.atomic import PARTIAL_SUFFIX, atomic_path, partial_path, write_json
+from vip_core.atomic import PARTIAL_SUFFIX, atomic_path, create_text, write_json
 from vip_core.data.objects import SHAPES, ObjectStyle, iter_objects
 from vip_core.reproduce import ARMS, ReproduceConfig, judge
 
@@ -61,7 +60,7 @@ def claim_workdir(root: str | Path, experiment: ReproduceConfig) -> None:
         if root.is_dir() and any(not entry.name.endswith(PARTIAL_SUFFIX) for entry in root.iterdir()):
             raise ValueError(f"{root} holds runs that no {EXPERIMENT_FILE} describes (made before vip recorded "
                              "experiments, or by hand): pass another workdir or move it aside")
-        if _create_whole(record, json.dumps(experiment.model_dump(mode="json"), indent=2)):
+        if create_text(record, json.dumps(experiment.model_dump(mode="json"), indent=2)):
             return
     held = _held_experiment(record)
     if held is None:
@@ -71,21 +70,6 @@ def claim_workdir(root: str | Path, experiment: ReproduceConfig) -> None:
         key, there, now = _first_difference(held.model_dump(mode="json"), experiment.model_dump(mode="json"))
         raise ValueError(f"{root} holds the runs of another experiment ({key} is {there!r} there, {now!r} now): "
                          "pass another workdir or move that one aside")
-
-
-def _create_whole(path: Path, text: str) -> bool:
-    """Writes ``path`` whole and only if it does not exist (a partial file linked into place: a killed writer
-    leaves no truncated file, and a concurrent first writer's file is not overwritten); False when it existed."""
-    partial = partial_path(path)
-    partial.parent.mkdir(parents=True, exist_ok=True)
-    partial.write_text(text)
-    try:
-        os.link(partial, path)
-        return True
-    except FileExistsError:
-        return False
-    finally:
-        partial.unlink()
 
 
 def _held_experiment(record: Path) -> ReproduceConfig | None:
