@@ -121,7 +121,8 @@ class ClippedGradientSum:
     reaches the parameter's layer (when a non-private backward would allocate its gradient), and the clipped
     sums are added into those buffers: the draw overlaps the backward and, for float32 parameters, needs no
     second parameter-sized buffer. The values do not depend on the threads or the microbatches. One object
-    sums and privatizes one logical batch: after :meth:`privatize` it refuses to go on.
+    sums and privatizes one logical batch: after :meth:`privatize`, or after a call that failed part-way, it
+    refuses to go on.
 
     Args:
         model: the model (see :func:`privatized_gradients` for what it may contain).
@@ -144,12 +145,12 @@ class ClippedGradientSum:
         self.totals = _Totals()
         draw = GaussianDraw(noise, noise_multiplier * max_grad_norm) if noise_multiplier > 0 else None
         self.noise = _StepNoise(self.plan.params, draw)
-        self.privatized = False
+        self.closed: str | None = None  # why it refuses to go on, once it does
 
     def add(self, loss_fn: LossFn, inputs: Inputs, *, physical_batch_size: int | None = None) -> None:
         """Adds the clipped per-sample gradients of ``inputs``, in microbatches of ``physical_batch_size``."""
         self._check_open()
-        with self.noise.closed_on_error():
+        with self._closed_on_error():
             for chunk in split_batch(inputs, physical_batch_size):
                 _add_microbatch(self.plan, self.model, loss_fn, chunk, self.max_grad_norm, self.sums, self.totals,
                                 self.noise)
@@ -165,8 +166,8 @@ class ClippedGradientSum:
         """
         _check_arguments(self.max_grad_norm, 0.0, expected_batch_size, None)
         self._check_open()
-        self.privatized = True
-        with self.noise.closed_on_error():
+        self.closed = "was privatized already: its noise is spent, so it cannot sum or privatize another batch"
+        with self._closed_on_error():
             self.noise.settle(self.plan.params, self.sums)
         for param in self.plan.params:
             total = self.sums.pop(param) if param in self.sums else torch.zeros_like(param)
@@ -175,9 +176,19 @@ class ClippedGradientSum:
         return StepStats(t.examples, float(t.loss_sum), int(t.clipped), int(t.non_finite))
 
     def _check_open(self) -> None:
-        if self.privatized:
-            raise RuntimeError("this ClippedGradientSum was privatized already: its noise is spent, so it cannot sum "
-                               "or privatize another batch; create one per logical batch")
+        if self.closed is not None:
+            raise RuntimeError(f"this ClippedGradientSum {self.closed}; create one per logical batch")
+
+    @contextlib.contextmanager
+    def _closed_on_error(self) -> Iterator[None]:
+        """Closes the sum and stops the noise threads when the enclosed code raises: the sums then hold part of a
+        batch, and going on (a retried microbatch) would count some samples twice against noise sized for once."""
+        try:
+            yield
+        except BaseException:
+            self.closed = "failed part-way: its sums hold part of a batch, so it cannot go on"
+            self.noise.stop()
+            raise
 
 
 class _StepNoise:
@@ -231,15 +242,10 @@ class _StepNoise:
         if len(self.settled) == len(self.index):
             self.pool.shutdown(wait=False)
 
-    @contextlib.contextmanager
-    def closed_on_error(self) -> Iterator[None]:
-        """Stops the helper threads (pending draws cancelled) when the enclosed code raises."""
-        try:
-            yield
-        except BaseException:
-            if self.pool is not None:
-                self.pool.shutdown(wait=False, cancel_futures=True)
-            raise
+    def stop(self) -> None:
+        """Stops the helper threads, pending draws cancelled."""
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _check_arguments(

@@ -276,6 +276,27 @@ def test_a_step_that_fails_stops_its_noise_threads_and_sets_no_gradient():
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_a_sum_that_failed_part_way_refuses_a_retry_that_would_count_samples_twice():
+    model = nn.Linear(3, 1)
+    calls = []
+
+    def fails_once_on_the_second_microbatch(m, x):
+        calls.append(len(x))
+        if len(calls) == 2:
+            raise RuntimeError("out of memory")
+        return m(x).sum(-1)
+
+    clipped = ClippedGradientSum(model, max_grad_norm=1.0, noise_multiplier=1.0, noise=RandomStream(1, 0, "noise"))
+    inputs = torch.randn(4, 3)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        clipped.add(fails_once_on_the_second_microbatch, inputs, physical_batch_size=2)
+    with pytest.raises(RuntimeError, match="failed part-way"):
+        clipped.add(fails_once_on_the_second_microbatch, inputs, physical_batch_size=2)
+    with pytest.raises(RuntimeError, match="failed part-way"):
+        clipped.privatize(expected_batch_size=4.0)
+    assert model.weight.grad is None
+
+
 def test_a_layer_the_loss_does_not_reach_still_gets_its_noise():
     model = nn.ModuleDict({"used": nn.Linear(8, 1), "unused": nn.Linear(300, 300)})
     privatized_gradients(
