@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import weakref
 from collections import Counter
@@ -117,10 +118,13 @@ class ClippedGradientSum:
     :func:`privatized_gradients` is the one-call form.
 
     The noise is one :class:`~vip_core.privacy.randomness.GaussianDraw` taken when the sum is created. Each
-    parameter's share is drawn on helper threads into a buffer of its own as soon as the first backward
-    reaches the parameter's layer (when a non-private backward would allocate its gradient), and the clipped
-    sums are added into those buffers: the draw overlaps the backward and, for float32 parameters, needs no
-    second parameter-sized buffer. The values do not depend on the threads or the microbatches. One object
+    parameter's share is drawn on helper threads into a buffer of its own, and the clipped sums are added into
+    those buffers: for float32 parameters it needs no second parameter-sized buffer. When torch leaves cores
+    idle, the helpers use them while the first backward runs (a parameter's draw starts when the backward
+    reaches its layer, as a non-private backward would allocate its gradient); otherwise the draw starts once
+    the first microbatch's clip factors are known, because helpers competing with torch's threads for the cores
+    would slow its matmuls more than the draw costs. The values do not depend on the threads or the
+    microbatches. One object
     sums and privatizes one logical batch: after :meth:`privatize`, or after a call that failed part-way, it
     refuses to go on.
 
@@ -195,7 +199,9 @@ class _StepNoise:
     """A step's noise, one :class:`GaussianDraw` over the trainable parameters (none when σ = 0).
 
     :meth:`start` allocates a parameter's buffer (on the calling thread) and hands its blocks to helper
-    threads (``torch.get_num_threads()`` of them); CUDA parameters are drawn on the device at :meth:`settle`.
+    threads: as many as the cores torch's threads leave idle, whose draws may start during the backward
+    (:meth:`start_early`), or else ``torch.get_num_threads()``, whose draws start when the clipped sums do;
+    CUDA parameters are drawn on the device at :meth:`settle`.
     :meth:`settle` waits for a parameter's noise and makes it the start of its running sum: each parameter's
     noise enters the sum exactly once, whatever the number of microbatches.
     """
@@ -205,7 +211,15 @@ class _StepNoise:
         self.index = {param: i for i, param in enumerate(params)}
         self.pending: dict[nn.Parameter, tuple[torch.Tensor, list[Future]]] = {}
         self.settled: set[nn.Parameter] = set()
-        self.pool = ThreadPoolExecutor(max(1, torch.get_num_threads()), "vip-noise") if draw is not None else None
+        idle_cores = len(os.sched_getaffinity(0)) - torch.get_num_threads()
+        self.early = idle_cores > 0
+        helpers = idle_cores if self.early else max(1, torch.get_num_threads())
+        self.pool = ThreadPoolExecutor(helpers, "vip-noise") if draw is not None else None
+
+    def start_early(self, params: Sequence[nn.Parameter]) -> None:
+        """:meth:`start`, when helper threads have idle cores to run on during the backward."""
+        if self.early:
+            self.start(params)
 
     def start(self, params: Sequence[nn.Parameter]) -> None:
         """Starts drawing the noise of ``params`` not started yet (CPU ones only)."""
@@ -503,7 +517,7 @@ def _add_microbatch(
     batch = batch_size_of(inputs)
     device = plan.params[0].device if plan.params else torch.device("cpu")
     _verify_per_sample_layout(plan, model, loss_fn, inputs, batch)
-    with record_function("vip.forward"), _Tape(plan, batch, on_gradient=noise.start) as tape:
+    with record_function("vip.forward"), _Tape(plan, batch, on_gradient=noise.start_early) as tape:
         stand_ins = _stand_ins(plan, batch)
         losses = _losses(model, loss_fn, inputs, stand_ins, batch)
     plain_rules = [PlainRule(name, param) for name, param in plan.plain]
@@ -515,7 +529,6 @@ def _add_microbatch(
                 grads = torch.autograd.grad(losses.sum(), wanted, allow_unused=True)
                 for rule, grad in zip(plain_rules, grads[1:]):
                     rule.record_stand_in(grad)
-        noise.start(plan.params)  # the plain parameters and any layer the loss did not reach
         rules = [rule for _, rule in tape.rules] + plain_rules
         with record_function("vip.norms"):
             squared = torch.zeros(batch, device=device)
@@ -526,6 +539,7 @@ def _add_microbatch(
                 for rule in rules:
                     rule.zero_samples(finite)
         with record_function("vip.clipped_sum"):
+            noise.start([param for rule in rules for param in rule.params])  # in the order settled below
             for rule in rules:
                 noise.settle(rule.params, sums)
                 rule.add_clipped_sum(factors, sums)

@@ -190,6 +190,11 @@ class MatmulRule(Rule):
             acts = acts * factors
         else:
             grads = grads * factors
+        running = sums.get(self.weight)
+        if groups == 1 and running is not None and running.dtype == grads.dtype and running.is_contiguous():
+            # Into the running sum (the noise, once settled): no weight-sized temporary, no second pass.
+            running.view(d_out, d_in).addmm_(grads.reshape(-1, d_out).t(), acts.reshape(-1, d_in))
+            return
         if groups == 1:
             weight_sum = torch.mm(grads.reshape(-1, d_out).t(), acts.reshape(-1, d_in))  # [d_out, d_in]
         else:

@@ -12,10 +12,12 @@ run asks (which examples, how much noise, which mask) from one of two sources:
   2^128 keys to search. Gaussian noise is drawn as a :class:`GaussianDraw`: each draw takes a fresh 128-bit
   key from the stream, and each block of ``NOISE_BLOCK`` coordinates of each tensor comes from its own
   PCG64DXSM keyed by ``(draw key, tensor index, block)`` through a ``SeedSequence``, so the blocks can be
-  drawn on several threads, in any order, and still give the same values. On a CUDA device each tensor's
-  noise is drawn on the device by two Philox generators keyed by ``(draw key, tensor index)`` (a 64-bit seed
-  and a 62-bit offset each) and averaged (``(z₁ + z₂)/√2``). PCG64DXSM is fast (as fast as torch's own CPU
-  generator here) but not a cryptographic generator: its output is predictable to someone who sees enough
+  drawn on several threads, in any order, and still give the same values. The CPU sampler is Box-Muller in
+  float32 on uniforms of 63 bits (radius) and 24 bits (angle), vectorised: about 4 ns per coordinate here,
+  less than half the time of numpy's float32 ziggurat, with a longer tail (9.4 standard deviations against
+  8.2). On a CUDA device each tensor's noise is drawn on the device by two Philox generators keyed by
+  ``(draw key, tensor index)`` (a 64-bit seed and a 62-bit offset each) and averaged (``(z₁ + z₂)/√2``).
+  PCG64DXSM is fast but not a cryptographic generator: its output is predictable to someone who sees enough
   of it raw, which a DP adversary never does (they see noisy sums).
 * ``"secure"`` (``privacy.secure_mode``, in the spirit of opacus's secure_mode): every draw comes from the
   operating system's cryptographic generator (``os.urandom``, ChaCha20 in Linux), and each Gaussian
@@ -49,6 +51,9 @@ _TWO_64 = 1 << 64
 _CHUNK = 1 << 22  # Poisson draws per chunk: bounds the memory of one step's draw over a large data set
 _SECURE_SUMMANDS = 4  # Holohan and Braghin: the sum of 4 N(0, 1/4) draws
 NOISE_BLOCK = 1 << 20  # Gaussian coordinates per independently keyed generator of a GaussianDraw
+_PAIRS_PER_CHUNK = 1 << 14  # Box-Muller pairs per vectorised chunk of a noise block (fixed: it orders the draws)
+_LOW_63 = np.uint64((1 << 63) - 1)
+_LOW_24 = np.uint32((1 << 24) - 1)
 
 
 def private_entropy() -> int:
@@ -149,7 +154,8 @@ class GaussianDraw:
     the order or the thread in which they are drawn.
 
     Default mode: the draw takes a 128-bit key from ``stream``; block ``b`` (``NOISE_BLOCK`` coordinates) of
-    tensor ``i`` is drawn by a PCG64DXSM keyed by ``SeedSequence(key, spawn_key=(i, b))``, and on a CUDA
+    tensor ``i`` is drawn (Box-Muller, :func:`_box_muller_fill`) from a PCG64DXSM keyed by
+    ``SeedSequence(key, spawn_key=(i, b))``, and on a CUDA
     device tensor ``i`` by two Philox generators keyed by ``SeedSequence(key, spawn_key=(i,))``. Secure mode:
     every block is fresh CSPRNG output (four Box-Muller draws summed and halved). The caller must give each
     tensor of the draw its own index and fill each block once.
@@ -175,12 +181,10 @@ class GaussianDraw:
             raise ValueError("GaussianDraw.fill writes into a contiguous float32 CPU tensor")
         part = out.view(-1)[block * NOISE_BLOCK:(block + 1) * NOISE_BLOCK]  # part: [≤ NOISE_BLOCK]
         if self.secure:
-            part.copy_(torch.from_numpy(_secure_normal(part.numel())))
+            part.copy_(torch.from_numpy(_secure_normal(part.numel()))).mul_(self.std)
         else:
-            sequence = np.random.SeedSequence(self._key, spawn_key=(index, block))
-            generator = np.random.Generator(np.random.PCG64DXSM(sequence))
-            generator.standard_normal(dtype=np.float32, out=part.numpy())
-        part.mul_(self.std)
+            bits = np.random.PCG64DXSM(np.random.SeedSequence(self._key, spawn_key=(index, block)))
+            _box_muller_fill(bits, part.numpy(), self.std)
 
     def tensor(self, index: int, shape: tuple[int, ...], *, dtype: torch.dtype = torch.float32,
                device: torch.device = torch.device("cpu")) -> torch.Tensor:
@@ -203,6 +207,31 @@ class GaussianDraw:
             draw = torch.randn(shape, generator=generator, device=device, dtype=torch.float32)
             total = draw if total is None else total.add_(draw)
         return total.mul_(self.std / math.sqrt(2.0))
+
+
+def _box_muller_fill(bits: np.random.BitGenerator, out: np.ndarray, std: float) -> None:
+    """Fills ``out`` (1-D float32) with N(0, std²) by Box-Muller in float32, ``_PAIRS_PER_CHUNK`` pairs at a time
+    (a fixed chunking, so the values depend only on the generator): for each pair a 64-bit word gives the
+    radius ``√(−2 ln u₁)`` with ``u₁ = (63 bits + ½) · 2^-63`` in ``(0, 1]`` (the largest radius, 9.4, is
+    reached with probability 2^-64) and 24 bits of a half word give the angle ``2π k / 2^24``; the pair is
+    ``std · radius · (cos, sin)(angle)``."""
+    for start in range(0, out.size, 2 * _PAIRS_PER_CHUNK):
+        part = out[start:start + 2 * _PAIRS_PER_CHUNK]  # part: [2P] (the last chunk may be shorter)
+        pairs = (part.size + 1) // 2
+        words = bits.random_raw(pairs + (pairs + 1) // 2)  # words: [P + ⌈P/2⌉] uint64
+        radius = (words[:pairs] & _LOW_63).astype(np.float32)  # radius: [P]
+        radius *= np.float32(2.0**-63)
+        radius += np.float32(2.0**-64)  # u₁ in (0, 1]
+        np.log(radius, out=radius)
+        radius *= np.float32(-2.0)
+        np.sqrt(radius, out=radius)
+        radius *= np.float32(std)
+        angle = (words[pairs:].view(np.uint32)[:pairs] & _LOW_24).astype(np.float32)  # angle: [P]
+        angle *= np.float32(2.0 * math.pi * 2.0**-24)
+        sines = part.size - pairs
+        np.multiply(np.sin(angle[:sines]), radius[:sines], out=part[pairs:])
+        np.cos(angle, out=angle)
+        np.multiply(angle, radius, out=part[:pairs])
 
 
 def _secure_normal(count: int) -> np.ndarray:

@@ -249,6 +249,38 @@ def test_the_noise_does_not_depend_on_the_microbatches_or_the_helper_threads(thr
     assert not all(torch.equal(a, b) for a, b in zip(whole, noisy_grads(vit, classification_loss, inputs, seed + 1)))
 
 
+@pytest.mark.parametrize("threads, in_backward, helpers", [(1, True, 1), (2, False, 2)])
+def test_the_noise_is_drawn_during_the_backward_only_on_cores_torch_leaves_idle(
+    monkeypatch, threads, in_backward, helpers
+):
+    """On two cores: beside one torch thread, one helper draws while the backward runs; beside two, helpers
+    competing with torch's threads would slow its matmuls, so the draw waits for the clipped sums."""
+    from vip_core.privacy import engine
+
+    monkeypatch.setattr(engine.os, "sched_getaffinity", lambda pid: {0, 1})
+    model = nn.Sequential(nn.Linear(3, 400), nn.Linear(400, 2))
+    pending_after_backward = []
+    norms = per_sample.MatmulRule.squared_norms
+
+    def spy(rule, batch, device):
+        pending_after_backward.append(len(clipped.noise.pending))
+        return norms(rule, batch, device)
+
+    monkeypatch.setattr(per_sample.MatmulRule, "squared_norms", spy)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        clipped = ClippedGradientSum(model, max_grad_norm=1.0, noise_multiplier=1.0,
+                                     noise=RandomStream(1, 0, "noise"))
+        clipped.add(lambda m, x: m(x).sum(-1), torch.randn(4, 3))
+        clipped.privatize(expected_batch_size=4.0)
+    finally:
+        torch.set_num_threads(previous)
+    assert clipped.noise.pool._max_workers == helpers
+    assert (pending_after_backward[0] > 0) == in_backward
+    assert all(torch.isfinite(p.grad).all() and bool((p.grad != 0).any()) for p in model.parameters())
+
+
 def test_a_privatized_sum_refuses_a_second_batch_whose_noise_would_be_spent():
     model = nn.Linear(3, 2)
     clipped = ClippedGradientSum(model, max_grad_norm=1.0, noise_multiplier=1.0, noise=RandomStream(1, 0, "noise"))
