@@ -211,7 +211,7 @@ class _StepNoise:
         self.index = {param: i for i, param in enumerate(params)}
         self.pending: dict[nn.Parameter, tuple[torch.Tensor, list[Future]]] = {}
         self.settled: set[nn.Parameter] = set()
-        idle_cores = len(os.sched_getaffinity(0)) - torch.get_num_threads()
+        idle_cores = _usable_cores() - torch.get_num_threads()
         self.early = idle_cores > 0
         helpers = idle_cores if self.early else max(1, torch.get_num_threads())
         self.pool = ThreadPoolExecutor(helpers, "vip-noise") if draw is not None else None
@@ -260,6 +260,13 @@ class _StepNoise:
         """Stops the helper threads, pending draws cancelled."""
         if self.pool is not None:
             self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _usable_cores() -> int:
+    """The cores this process may run on (all of the machine's where the OS cannot say)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def _check_arguments(

@@ -257,7 +257,7 @@ def test_the_noise_is_drawn_during_the_backward_only_on_cores_torch_leaves_idle(
     competing with torch's threads would slow its matmuls, so the draw waits for the clipped sums."""
     from vip_core.privacy import engine
 
-    monkeypatch.setattr(engine.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(engine, "_usable_cores", lambda: 2)
     model = nn.Sequential(nn.Linear(3, 400), nn.Linear(400, 2))
     pending_after_backward = []
     norms = per_sample.MatmulRule.squared_norms
@@ -506,6 +506,20 @@ def test_a_sample_whose_tokens_cancel_is_still_clipped_to_c(monkeypatch, scale, 
 
     grads = engine_grads(layer, loss, tokens, 1.0)
     assert float(grads[0].norm()) <= 1.0 + 1e-4
+
+
+def test_the_float32_rounding_bound_is_never_below_its_exact_value():
+    """The bound's token-norm sum is computed in float32; its margin must cover that rounding for every sample
+    (without it, about half the samples would round below the exact value)."""
+    torch.manual_seed(0)
+    scales = torch.logspace(-3, 3, 300).view(1, 300, 1)  # tokens of very different sizes
+    acts, grads = torch.randn(64, 300, 1024) * scales, torch.randn(64, 300, 3072) * scales.flip(1)
+    length = 1024 + 3072
+    exact_sum = (acts.double().norm(dim=2) * grads.double().norm(dim=2)).sum(1)  # [64]
+    exact = 1.01 * per_sample._gamma(length) * exact_sum.square()
+    assert bool((per_sample.gram_error_bound(acts, grads, length) >= exact).all())
+    assert bool((per_sample.gram_error_bound(None, grads, 3072) >= 1.01 * per_sample._gamma(3072)
+                 * grads.double().norm(dim=2).sum(1).square()).all())
 
 
 def test_a_loss_that_is_not_per_sample_is_refused():
