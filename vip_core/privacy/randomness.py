@@ -13,7 +13,7 @@ run asks (which examples, how much noise, which mask) from one of two sources:
   key from the stream, and each block of ``NOISE_BLOCK`` coordinates of each tensor comes from its own
   PCG64DXSM keyed by ``(draw key, tensor index, block)`` through a ``SeedSequence``, so the blocks can be
   drawn on several threads, in any order, and still give the same values. The CPU sampler is Box-Muller in
-  float32 on uniforms of 63 bits (radius) and 24 bits (angle), vectorised: about 4 ns per coordinate here,
+  float32 on a 63-bit draw (radius) and a 24-bit one (angle) per pair, vectorised: about 4 ns per coordinate here,
   less than half the time of numpy's float32 ziggurat, with a longer tail (9.4 standard deviations against
   8.2). On a CUDA device each tensor's noise is drawn on the device by two Philox generators keyed by
   ``(draw key, tensor index)`` (a 64-bit seed and a 62-bit offset each) and averaged (``(z₁ + z₂)/√2``).
@@ -212,8 +212,9 @@ class GaussianDraw:
 def _box_muller_fill(bits: np.random.BitGenerator, out: np.ndarray, std: float) -> None:
     """Fills ``out`` (1-D float32) with N(0, std²) by Box-Muller in float32, ``_PAIRS_PER_CHUNK`` pairs at a time
     (a fixed chunking, so the values depend only on the generator): for each pair a 64-bit word gives the
-    radius ``√(−2 ln u₁)`` with ``u₁ = (63 bits + ½) · 2^-63`` in ``(0, 1]`` (the largest radius, 9.4, is
-    reached with probability 2^-64) and 24 bits of a half word give the angle ``2π k / 2^24``; the pair is
+    radius ``√(−2 ln u₁)`` with ``u₁ = (63 bits + ½) · 2^-63`` rounded to float32, in ``(0, 1]`` (24 significant
+    bits, but as small as 2^-64: the largest radius, 9.4, has probability 2^-63) and 24 bits of a half word give
+    the angle ``2π k / 2^24``; the pair is
     ``std · radius · (cos, sin)(angle)``."""
     for start in range(0, out.size, 2 * _PAIRS_PER_CHUNK):
         part = out[start:start + 2 * _PAIRS_PER_CHUNK]  # part: [2P] (the last chunk may be shorter)

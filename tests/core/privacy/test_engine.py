@@ -281,6 +281,18 @@ def test_the_noise_is_drawn_during_the_backward_only_on_cores_torch_leaves_idle(
     assert all(torch.isfinite(p.grad).all() and bool((p.grad != 0).any()) for p in model.parameters())
 
 
+def test_the_usable_cores_fall_back_to_the_cpu_count_where_the_os_has_no_affinity(monkeypatch):
+    from vip_core.privacy import engine
+
+    monkeypatch.delattr(engine.os, "sched_getaffinity", raising=False)
+    monkeypatch.setattr(engine.os, "cpu_count", lambda: 3)
+    assert engine._usable_cores() == 3
+    clipped = ClippedGradientSum(nn.Linear(3, 2), max_grad_norm=1.0, noise_multiplier=1.0,
+                                 noise=RandomStream(1, 0, "noise"))
+    clipped.add(lambda m, x: m(x).sum(-1), torch.randn(4, 3))
+    clipped.privatize(expected_batch_size=4.0)
+
+
 def test_a_privatized_sum_refuses_a_second_batch_whose_noise_would_be_spent():
     model = nn.Linear(3, 2)
     clipped = ClippedGradientSum(model, max_grad_norm=1.0, noise_multiplier=1.0, noise=RandomStream(1, 0, "noise"))

@@ -87,7 +87,8 @@ class KnownWords:
 
 
 def box_muller_reference(words, count, pairs_per_chunk):
-    """Box-Muller in float64 on the same words, chunk by chunk: radius from 63 bits, angle from 24."""
+    """Box-Muller in float64 on the same words, chunk by chunk: radius from 63 bits (u₁ rounded to float32),
+    angle from 24."""
     out, used = [], 0
     for start in range(0, count, 2 * pairs_per_chunk):
         size = min(2 * pairs_per_chunk, count - start)
