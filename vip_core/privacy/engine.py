@@ -121,9 +121,10 @@ class ClippedGradientSum:
     parameter's share is drawn on helper threads into a buffer of its own, and the clipped sums are added into
     those buffers: for float32 parameters it needs no second parameter-sized buffer. When torch leaves cores
     idle, the helpers use them while the first backward runs (a parameter's draw starts when the backward
-    reaches its layer, as a non-private backward would allocate its gradient); otherwise the draw starts once
-    the first microbatch's clip factors are known, because helpers competing with torch's threads for the cores
-    would slow its matmuls more than the draw costs. The values do not depend on the threads or the
+    reaches its layer, as a non-private backward would allocate its gradient); otherwise the helpers draw it all
+    once the first microbatch's clip factors are known, before its clipped sums, because helpers competing with
+    torch's threads for the cores would slow its matmuls more than the draw costs. The values do not depend on
+    the threads or the
     microbatches. One object
     sums and privatizes one logical batch: after :meth:`privatize`, or after a call that failed part-way, it
     refuses to go on.
@@ -200,7 +201,8 @@ class _StepNoise:
 
     :meth:`start` allocates a parameter's buffer (on the calling thread) and hands its blocks to helper
     threads: as many as the cores torch's threads leave idle, whose draws may start during the backward
-    (:meth:`start_early`), or else ``torch.get_num_threads()``, whose draws start when the clipped sums do;
+    (:meth:`start_early`), or else ``torch.get_num_threads()``, which draw everything before the clipped sums
+    (:meth:`draw_all`) while the calling thread waits;
     CUDA parameters are drawn on the device at :meth:`settle`.
     :meth:`settle` waits for a parameter's noise and makes it the start of its running sum: each parameter's
     noise enters the sum exactly once, whatever the number of microbatches.
@@ -232,6 +234,17 @@ class _StepNoise:
             futures = [self.pool.submit(self.draw.fill, self.index[param], buffer, block)
                        for block in GaussianDraw.blocks(buffer.numel())]
             self.pending[param] = (buffer, futures)
+
+    def draw_all(self, params: Sequence[nn.Parameter]) -> None:
+        """Starts every draw of ``params`` not started yet; when the helpers have no idle cores of their own, also
+        waits for all of them, so that they do not compete with the clipped sums' matmuls for the cores."""
+        self.start(params)
+        if self.early:
+            return
+        with record_function("vip.noise_wait"):
+            for _, futures in self.pending.values():
+                for future in futures:
+                    future.result()
 
     def settle(self, params: Sequence[nn.Parameter], sums: Sums) -> None:
         """Adds the noise of each of ``params`` not settled yet to ``sums`` (becoming its entry)."""
@@ -546,7 +559,7 @@ def _add_microbatch(
                 for rule in rules:
                     rule.zero_samples(finite)
         with record_function("vip.clipped_sum"):
-            noise.start([param for rule in rules for param in rule.params])  # in the order settled below
+            noise.draw_all([param for rule in rules for param in rule.params])  # in the order settled below
             for rule in rules:
                 noise.settle(rule.params, sums)
                 rule.add_clipped_sum(factors, sums)
