@@ -18,6 +18,7 @@ Biases, LayerNorm affine parameters and plain parameters are always materialised
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -55,35 +56,56 @@ def _add_weighted(sums: Sums, param: nn.Parameter, factors: torch.Tensor, per_sa
 
 
 _FLOAT32_UNIT_ROUNDOFF = 2.0**-24
+_FLOAT32_SMALLEST_NORMAL = 2.0**-126  # below it float32 underflows (to zero under flush-to-zero)
 
 
 def gram_error_bound(acts: torch.Tensor | None, grads: torch.Tensor, length: int) -> torch.Tensor:
     """An upper bound on the rounding error of a ghost norm ``Σ_{t,s} (aₜ·aₛ)(gₜ·gₛ)`` whose Gram entries are
-    float32 dot products of at most ``length`` terms and whose sum is float64: ``γ · S²`` with
-    ``S = Σₜ ‖aₜ‖‖gₜ‖`` and ``γ = 1.01 · length · u / (1 − length · u)`` (Higham's bound for a dot product, for
-    each Gram factor).
+    float32 (or float64) dot products of at most ``length`` terms and whose sum is float64.
 
     Added to the ghost norm, it makes the squared norm an upper bound on the true one even when a sample's
     token contributions cancel (where the float32 value alone can round to zero and leave the sample
     unclipped); where they do not cancel it adds about ``γ · T`` of the norm, under 2 % for a ViT-Base layer.
 
-    ``S`` itself is computed in float32 (float64 copies of the activations cost more than the whole bound):
-    each norm of ``d`` terms is within ``γ_{d+2}`` of its value, their products and the sum over ``T`` tokens
-    add ``γ_{T+1}``, so the computed ``Ŝ ≥ S · (1 − γ_K)`` with ``K = length + T + 5``, and ``Ŝ² / (1 − γ_K)²``
-    bounds ``S²`` from above (up to underflow, absolute errors below 1e-37).
+    The error model is float32's, for every operation, also under flush-to-zero (``torch.set_flush_denormal``):
+    a result is exact within a relative ``u = 2^-24`` plus an absolute ``η = 2^-126``, and an input below ``η``
+    may be read as zero. Then a Gram entry errs by at most ``γ_d Σₖ|xₜₖ xₛₖ| + E`` with ``γ_d`` Higham's
+    ``d·u/(1 − d·u)`` and ``E = d · 4η · (1 + M)``, ``M`` the sample's largest entry, and the ghost norm by at
+    most ``1.01 · γ_L · S² + 2 (E_a (Σ‖gₜ‖)² + E_g (Σ‖aₜ‖)²) + T² E_a E_g`` with ``S = Σₜ ‖aₜ‖‖gₜ‖``: the first
+    term is relative (Cauchy-Schwarz), the others cover underflow, which can make a Gram of tiny activations
+    zero while their gradients are huge. The token norms come from float32 norms (a pass over the activations,
+    no float64 copy), made upper bounds by :func:`_norm_upper_bounds`, and ``M ≤ maxₜ ‖xₜ‖``.
 
     Args:
         acts: ``[B*g, T, d_in]``, or None for a rule whose gradient is ``Σₜ gₜ`` scattered (Embedding).
         grads: ``[B*g, T, d_out]``.
         length: the longest dot product in the Gram matrices (``d_in + d_out`` covers both factors).
     """
-    gamma = 1.01 * _gamma(length)
     tokens = grads.shape[1]
-    margin = 1.0 / (1.0 - _gamma(length + tokens + 5)) ** 2
-    norms = torch.linalg.vector_norm(grads.float(), dim=2)  # norms: [B*g, T]
-    if acts is not None:
-        norms = norms * torch.linalg.vector_norm(acts.float(), dim=2)
-    return (gamma * margin) * norms.sum(1).double().square()  # [B*g]
+    grad_norms = _norm_upper_bounds(grads)  # grad_norms: [B*g, T] float64
+    grad_floor = _underflow_error(grads.shape[2], grad_norms)  # [B*g]
+    if acts is None:  # one Gram, of the gradients
+        return 1.01 * _gamma(length) * grad_norms.sum(1).square() + 2 * tokens**2 * grad_floor
+    act_norms = _norm_upper_bounds(acts)  # act_norms: [B*g, T] float64
+    act_floor = _underflow_error(acts.shape[2], act_norms)  # [B*g]
+    relative = 1.01 * _gamma(length) * (act_norms * grad_norms).sum(1).square()
+    underflow = 2 * (act_floor * grad_norms.sum(1).square() + grad_floor * act_norms.sum(1).square())
+    return relative + underflow + tokens**2 * act_floor * grad_floor  # [B*g]
+
+
+def _norm_upper_bounds(rows: torch.Tensor) -> torch.Tensor:
+    """``[N, T]`` float64 upper bounds on the norms of the ``d``-vectors of ``rows`` (``[N, T, d]``), from a norm in
+    ``rows``' own dtype: its sum of squares errs by at most ``γ_d`` relative plus ``d·η`` (squares below ``η``
+    flushed), so ``‖x‖ ≤ (‖x‖^ + √(d·η)) / (1 − γ_{d+2})`` (the square root adds one rounding)."""
+    width = rows.shape[2]
+    computed = torch.linalg.vector_norm(rows, dim=2).double()  # computed: [N, T]
+    return (computed + math.sqrt(width * _FLOAT32_SMALLEST_NORMAL)) / (1 - _gamma(width + 2))
+
+
+def _underflow_error(width: int, norms: torch.Tensor) -> torch.Tensor:
+    """``[N]``: ``E = d · 4η · (1 + M)``, the absolute error underflow adds to a Gram entry of ``d``-vectors whose
+    largest entry is at most ``M ≤ maxₜ ‖xₜ‖``."""
+    return width * 4 * _FLOAT32_SMALLEST_NORMAL * (1 + norms.amax(1))
 
 
 def _gamma(terms: int) -> float:
@@ -185,13 +207,13 @@ class MatmulRule(Rule):
         total = super().squared_norms(batch_size, device)
         if self.ghost_inputs:
             acts, grads = self._ghost_pair()
-            if acts.shape[1] == 1:
-                ghost = acts.square().sum((1, 2)) * grads.square().sum((1, 2))  # ghost: [B*g]
+            if acts.shape[1] == 1:  # 1 x 1 Grams
+                ghost = acts.square().sum((1, 2)).double() * grads.square().sum((1, 2)).double()  # ghost: [B*g]
             else:
                 act_gram = torch.bmm(acts, acts.transpose(1, 2))  # act_gram: [B*g, T, T]
                 grad_gram = torch.bmm(grads, grads.transpose(1, 2))  # grad_gram: [B*g, T, T]
                 ghost = torch.linalg.vecdot(act_gram.flatten(1).double(), grad_gram.flatten(1).double())  # [B*g]
-                ghost = ghost + gram_error_bound(acts, grads, acts.shape[2] + grads.shape[2])
+            ghost = ghost + gram_error_bound(acts, grads, acts.shape[2] + grads.shape[2])
             total += ghost.view(batch_size, -1).sum(1).float()
         return total
 

@@ -529,14 +529,39 @@ def test_a_sample_whose_tokens_cancel_is_still_clipped_to_c(monkeypatch, scale, 
     assert float(grads[0].norm()) <= 1.0 + 1e-4
 
 
+@pytest.mark.parametrize("tiny, flush, tokens", [(2.6e-23, False, 100), (1e-20, True, 100), (1e-20, True, 1)])
+def test_a_sample_whose_tiny_activations_underflow_is_still_clipped_to_c(monkeypatch, tiny, flush, tokens):
+    """Activations so small that their float32 Gram underflows to zero (squares below 2^-149, or below 2^-126
+    under flush-to-zero), beside gradients so large that the true norm is far above C: the ghost norm alone
+    is 0, and the rounding bound must still cover the sample."""
+    monkeypatch.setattr(per_sample, "materialise_is_cheaper", lambda *args: False)
+    inputs = torch.full((1, tokens, 4096), tiny)  # [1, T, 4096]
+    weights = torch.full((tokens, 200), 1.2e18)  # [T, 200]: each output's gradient
+
+    def loss(model, x):
+        return (model(x) * weights).sum((1, 2))  # [1]
+
+    true_norm = float((weights.double().t() @ inputs[0].double()).norm())
+    assert true_norm > 2  # far above C = 1
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # flush-to-zero is per thread: keep torch's workers out of it
+    torch.set_flush_denormal(flush)
+    try:
+        grads = engine_grads(nn.Linear(4096, 200, bias=False), loss, inputs, 1.0)
+    finally:
+        torch.set_flush_denormal(False)
+        torch.set_num_threads(previous_threads)
+    assert float(grads[0].norm()) <= 1.0 + 1e-4
+
+
 def test_the_float32_rounding_bound_is_never_below_its_exact_value():
     """The bound's token-norm sum is computed in float32; its margin must cover that rounding for every sample
     (without it, about half the samples would round below the exact value)."""
     torch.manual_seed(0)
     scales = torch.logspace(-3, 3, 300).view(1, 300, 1)  # tokens of very different sizes
-    acts, grads = torch.randn(64, 300, 1024) * scales, torch.randn(64, 300, 3072) * scales.flip(1)
+    acts, grads = torch.randn(16, 300, 1024) * scales, torch.randn(16, 300, 3072) * scales.flip(1)
     length = 1024 + 3072
-    exact_sum = (acts.double().norm(dim=2) * grads.double().norm(dim=2)).sum(1)  # [64]
+    exact_sum = (acts.double().norm(dim=2) * grads.double().norm(dim=2)).sum(1)  # [16]
     exact = 1.01 * per_sample._gamma(length) * exact_sum.square()
     assert bool((per_sample.gram_error_bound(acts, grads, length) >= exact).all())
     assert bool((per_sample.gram_error_bound(None, grads, 3072) >= 1.01 * per_sample._gamma(3072)
