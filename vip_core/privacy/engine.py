@@ -124,10 +124,8 @@ class ClippedGradientSum:
     reaches its layer, as a non-private backward would allocate its gradient); otherwise the helpers draw it all
     once the first microbatch's clip factors are known, before its clipped sums, because helpers competing with
     torch's threads for the cores would slow its matmuls more than the draw costs. The values do not depend on
-    the threads or the
-    microbatches. One object
-    sums and privatizes one logical batch: after :meth:`privatize`, or after a call that failed part-way, it
-    refuses to go on.
+    the threads or the microbatches. One object sums and privatizes one logical batch: after :meth:`privatize`,
+    or after a call that failed part-way, it refuses to go on.
 
     Args:
         model: the model (see :func:`privatized_gradients` for what it may contain).
@@ -202,8 +200,7 @@ class _StepNoise:
     :meth:`start` allocates a parameter's buffer (on the calling thread) and hands its blocks to helper
     threads: as many as the cores torch's threads leave idle, whose draws may start during the backward
     (:meth:`start_early`), or else ``torch.get_num_threads()``, which draw everything before the clipped sums
-    (:meth:`draw_all`) while the calling thread waits;
-    CUDA parameters are drawn on the device at :meth:`settle`.
+    (:meth:`draw_all`) while the calling thread waits; CUDA parameters are drawn on the device at :meth:`settle`.
     :meth:`settle` waits for a parameter's noise and makes it the start of its running sum: each parameter's
     noise enters the sum exactly once, whatever the number of microbatches.
     """
