@@ -210,10 +210,13 @@ class _StepNoise:
         self.index = {param: i for i, param in enumerate(params)}
         self.pending: dict[nn.Parameter, tuple[torch.Tensor, list[Future]]] = {}
         self.settled: set[nn.Parameter] = set()
-        idle_cores = _usable_cores() - torch.get_num_threads()
-        self.early = idle_cores > 0
-        helpers = idle_cores if self.early else max(1, torch.get_num_threads())
-        self.pool = ThreadPoolExecutor(helpers, "vip-noise") if draw is not None else None
+        self.early = False
+        self.pool: ThreadPoolExecutor | None = None
+        if draw is not None:
+            idle_cores = _usable_cores() - torch.get_num_threads()
+            self.early = idle_cores > 0
+            helpers = idle_cores if self.early else max(1, torch.get_num_threads())
+            self.pool = ThreadPoolExecutor(helpers, "vip-noise")
 
     def start_early(self, params: Sequence[nn.Parameter]) -> None:
         """:meth:`start`, when helper threads have idle cores to run on during the backward."""

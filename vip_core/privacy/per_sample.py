@@ -49,6 +49,16 @@ def add_to_sum(sums: Sums, param: nn.Parameter, value: torch.Tensor) -> None:
         sums[param] = value
 
 
+def add_product_to_sum(sums: Sums, param: nn.Parameter, left: torch.Tensor, right: torch.Tensor) -> None:
+    """``sums[param] += left @ right`` (``[m, k] @ [k, n]``, shaped like ``param``): straight into the running sum
+    (the noise, once settled) when it has the product's dtype, so no ``param``-sized temporary and no second pass."""
+    running = sums.get(param)
+    if running is not None and running.dtype == left.dtype and running.is_contiguous():
+        running.view(left.shape[0], right.shape[1]).addmm_(left, right)
+    else:
+        add_to_sum(sums, param, torch.mm(left, right))  # [m, n]
+
+
 def _add_weighted(sums: Sums, param: nn.Parameter, factors: torch.Tensor, per_sample: torch.Tensor) -> None:
     """``sums[param] += Σᵢ factorsᵢ · per_sampleᵢ``; per_sample: [B, *param.shape]."""
     weighted = torch.mv(per_sample.reshape(per_sample.shape[0], -1).t(), factors.to(per_sample.dtype))  # [numel]
@@ -228,18 +238,12 @@ class MatmulRule(Rule):
             acts = acts * factors
         else:
             grads = grads * factors
-        running = sums.get(self.weight)
-        if groups == 1 and running is not None and running.dtype == grads.dtype and running.is_contiguous():
-            # Into the running sum (the noise, once settled): no weight-sized temporary, no second pass.
-            running.view(d_out, d_in).addmm_(grads.reshape(-1, d_out).t(), acts.reshape(-1, d_in))
-            return
         if groups == 1:
-            weight_sum = torch.mm(grads.reshape(-1, d_out).t(), acts.reshape(-1, d_in))  # [d_out, d_in]
-        else:
-            grads = grads.view(-1, groups, grads.shape[1], d_out).transpose(0, 1).reshape(groups, -1, d_out)
-            acts = acts.view(-1, groups, acts.shape[1], d_in).transpose(0, 1).reshape(groups, -1, d_in)
-            weight_sum = torch.bmm(grads.transpose(1, 2), acts)  # weight_sum: [g, d_out, d_in]
-        add_to_sum(sums, self.weight, weight_sum)
+            add_product_to_sum(sums, self.weight, grads.reshape(-1, d_out).t(), acts.reshape(-1, d_in))
+            return
+        grads = grads.view(-1, groups, grads.shape[1], d_out).transpose(0, 1).reshape(groups, -1, d_out)
+        acts = acts.view(-1, groups, acts.shape[1], d_in).transpose(0, 1).reshape(groups, -1, d_in)
+        add_to_sum(sums, self.weight, torch.bmm(grads.transpose(1, 2), acts))  # [g, d_out, d_in]
 
     def zero_samples(self, keep: torch.Tensor) -> None:
         super().zero_samples(keep)

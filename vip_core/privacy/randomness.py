@@ -155,8 +155,8 @@ class GaussianDraw:
 
     Default mode: the draw takes a 128-bit key from ``stream``; block ``b`` (``NOISE_BLOCK`` coordinates) of
     tensor ``i`` is drawn (Box-Muller, :func:`_box_muller_fill`) from a PCG64DXSM keyed by
-    ``SeedSequence(key, spawn_key=(i, b))``, and on a CUDA
-    device tensor ``i`` by two Philox generators keyed by ``SeedSequence(key, spawn_key=(i,))``. Secure mode:
+    ``SeedSequence(key, spawn_key=(i, b))``, and on a CUDA device tensor ``i`` by two Philox generators keyed by
+    ``SeedSequence(key, spawn_key=(i,))``. Secure mode:
     every block is fresh CSPRNG output (four Box-Muller draws summed and halved). The caller must give each
     tensor of the draw its own index and fill each block once.
 
@@ -214,8 +214,7 @@ def _box_muller_fill(bits: np.random.BitGenerator, out: np.ndarray, std: float) 
     (a fixed chunking, so the values depend only on the generator): for each pair a 64-bit word gives the
     radius ``√(−2 ln u₁)`` with ``u₁ = (63 bits + ½) · 2^-63`` rounded to float32, in ``(0, 1]`` (24 significant
     bits, but as small as 2^-64: the largest radius, 9.4, has probability 2^-63) and 24 bits of a half word give
-    the angle ``2π k / 2^24``; the pair is
-    ``std · radius · (cos, sin)(angle)``."""
+    the angle ``2π k / 2^24``; the pair is ``std · radius · (cos, sin)(angle)``."""
     for start in range(0, out.size, 2 * _PAIRS_PER_CHUNK):
         part = out[start:start + 2 * _PAIRS_PER_CHUNK]  # part: [2P] (the last chunk may be shorter)
         pairs = (part.size + 1) // 2
