@@ -84,7 +84,8 @@ def gram_error_bound(acts: torch.Tensor | None, grads: torch.Tensor, length: int
     most ``1.01 · γ_L · S² + 2 (E_a (Σ‖gₜ‖)² + E_g (Σ‖aₜ‖)²) + T² E_a E_g`` with ``S = Σₜ ‖aₜ‖‖gₜ‖``: the first
     term is relative (Cauchy-Schwarz), the others cover underflow, which can make a Gram of tiny activations
     zero while their gradients are huge. The token norms come from float32 norms (a pass over the activations,
-    no float64 copy), made upper bounds by :func:`_norm_upper_bounds`, and ``M ≤ maxₜ ‖xₜ‖``.
+    no float64 copy), made upper bounds by :func:`_norm_upper_bounds`, and ``M ≤ maxₜ ‖xₜ‖``. It bounds the
+    norm only: the rounding of the clipped sum itself is the floating-point caveat of ``docs/privacy.md``.
 
     Args:
         acts: ``[B*g, T, d_in]``, or None for a rule whose gradient is ``Σₜ gₜ`` scattered (Embedding).
@@ -361,9 +362,11 @@ class EmbeddingRule(Rule):
         return total
 
     def add_clipped_sum(self, factors: torch.Tensor, sums: Sums) -> None:
+        """In float64: a sample's many tokens on one row, summed in float32, could lose more than its norm's
+        rounding bound allows (each small term swallowed by a large partial sum that later cancels)."""
         for indices, grads in zip(self.indices, self.grads):
-            scaled = grads * factors.view(-1, 1, 1)  # scaled: [B, T, D]
-            rows = torch.zeros(self.weight.shape, dtype=grads.dtype, device=grads.device)
+            scaled = grads.double() * factors.double().view(-1, 1, 1)  # scaled: [B, T, D]
+            rows = torch.zeros(self.weight.shape, dtype=torch.float64, device=grads.device)
             rows.index_add_(0, indices.reshape(-1), scaled.reshape(-1, grads.shape[-1]))
             add_to_sum(sums, self.weight, rows)
 

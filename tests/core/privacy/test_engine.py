@@ -554,6 +554,18 @@ def test_a_sample_whose_tiny_activations_underflow_is_still_clipped_to_c(monkeyp
     assert float(grads[0].norm()) <= 1.0 + 1e-4
 
 
+def test_an_embedding_row_hit_by_many_cancelling_tokens_is_summed_without_swallowing_them():
+    """2^20, then many terms under half its float32 spacing, then -2^20: summed in float32 the small terms vanish
+    (the sample's clipped contribution would miss them, beyond the norm's rounding bound)."""
+    rule = per_sample.EmbeddingRule("embedding", nn.Embedding(1, 1))
+    small = 0.49 * 2.0**-24 * 2.0**20
+    grads = torch.tensor([2.0**20] + [small] * 3000 + [-(2.0**20)]).view(1, -1, 1)  # [1, T, 1]
+    rule.record(torch.zeros(1, grads.shape[1], dtype=torch.long), None, grads)
+    sums = {}
+    rule.add_clipped_sum(torch.ones(1), sums)
+    assert float(sums[rule.weight]) == pytest.approx(3000 * small, rel=1e-6)
+
+
 def test_the_float32_rounding_bound_is_never_below_its_exact_value():
     """The bound's token-norm sum is computed in float32; its margin must cover that rounding for every sample
     (without it, about half the samples would round below the exact value)."""
