@@ -11,6 +11,8 @@ import torch
 
 from concurrent.futures import ThreadPoolExecutor
 
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
 from vip_core.privacy import randomness
 from vip_core.privacy.randomness import ENTROPY_BITS, GaussianDraw, RandomStream, private_entropy
 
@@ -74,16 +76,19 @@ def test_uniform_draws_lie_in_the_unit_interval_and_are_flat(mode):
     assert draws.var().item() == pytest.approx(1 / 12, rel=0.02)
 
 
-class KnownWords:
-    """A bit generator whose raw output is given: the words a keyed PCG64DXSM would supply."""
+class KnownKeystream:
+    """A keystream whose bytes are given (little-endian words): what a block's AES-128-CTR would supply."""
 
     def __init__(self, words):
-        self.words = np.asarray(words, dtype=np.uint64)
+        self.data = np.asarray(words, dtype="<u8").tobytes()
         self.used = 0
 
-    def random_raw(self, count):
+    def update_into(self, data, buf):
+        count = len(data)
+        assert not any(bytes(data)), "the plaintext of a keystream is zeros"
+        buf[:count] = np.frombuffer(self.data[self.used:self.used + count], dtype=np.uint8)
         self.used += count
-        return self.words[self.used - count:self.used].copy()
+        return count
 
 
 def box_muller_reference(words, count, pairs_per_chunk):
@@ -112,10 +117,31 @@ def test_default_gaussians_are_float32_box_muller_on_63_and_24_bit_uniforms(coun
     words[0] = 0  # the first pair's radius word: u₁ = 2^-64
     words[(min(count, 2 * randomness._PAIRS_PER_CHUNK) + 1) // 2] = 0  # its angle: 0
     out = np.empty(count, dtype=np.float32)
-    randomness._box_muller_fill(KnownWords(words), out, 0.5)
+    randomness._box_muller_fill(KnownKeystream(words), out, 0.5)
     expected = 0.5 * box_muller_reference(words, count, randomness._PAIRS_PER_CHUNK)
     assert np.allclose(out, expected, rtol=1e-5, atol=1e-5)
     assert abs(out[0]) == pytest.approx(0.5 * math.sqrt(2 * 64 * math.log(2)), rel=1e-5)
+
+
+def test_each_noise_block_is_box_muller_on_an_aes_128_ctr_keystream_keyed_by_the_draw_the_tensor_and_the_block():
+    draw = GaussianDraw(RandomStream(5, 0, "noise"), 0.5)
+    index, block, count = 2, 1, 1000
+    words = np.random.SeedSequence(draw._key, spawn_key=(index, block)).generate_state(4, dtype=np.uint32)
+    key = words.astype("<u4").tobytes()  # 128 bits
+    pairs = count // 2
+    keystream = Cipher(algorithms.AES(key), modes.CTR(bytes(16))).encryptor().update(bytes(8 * (pairs + pairs // 2)))
+    first_block = Cipher(algorithms.AES(key), modes.ECB()).encryptor().update(bytes(16))
+    assert keystream[:16] == first_block  # AES-128 of the counter, from 0
+    got = np.empty(count, dtype=np.float32)
+    randomness._box_muller_fill(draw.keystream(index, block), got, 0.5)
+    expected = 0.5 * box_muller_reference(np.frombuffer(keystream, dtype="<u8"), count, randomness._PAIRS_PER_CHUNK)
+    assert np.allclose(got, expected, rtol=1e-5, atol=1e-5)
+    tensor = torch.full((randomness.NOISE_BLOCK + count,), float("nan"))
+    draw.fill(index, tensor, block)
+    assert torch.equal(tensor[randomness.NOISE_BLOCK:], torch.from_numpy(got))
+    other = np.empty(count, dtype=np.float32)
+    randomness._box_muller_fill(draw.keystream(index, block + 1), other, 0.5)
+    assert not np.array_equal(got, other)
 
 
 def test_secure_gaussians_are_four_box_muller_draws_from_the_csprng_summed_and_halved(monkeypatch):
