@@ -12,16 +12,17 @@ run asks (which examples, how much noise, which mask) from one of two sources:
   2^128 keys to search. Gaussian noise is drawn as a :class:`GaussianDraw`: each draw takes a fresh 128-bit
   key from the stream, and each block of ``NOISE_BLOCK`` coordinates of each tensor comes from its own
   AES-128 keystream (counter mode, OpenSSL through the ``cryptography`` package, about 1 ns per 64-bit word
-  here with AES-NI, three times PCG64DXSM's speed) whose key is derived from ``(draw key, tensor index,
-  block)`` through a ``SeedSequence``, so the blocks can be drawn on several threads, in any order, and still
-  give the same values. The CPU sampler is Box-Muller in float32 on a 63-bit word (radius) and a 24-bit one
+  here with AES-NI, three times PCG64DXSM's speed) whose key is AES-128 under the draw key of
+  ``(tensor index, block)`` (a pseudorandom function: one block's key tells nothing of another's or of the
+  draw key), so the blocks can be drawn on several threads, in any order, and still give the same values. The CPU sampler is Box-Muller in float32 on a 63-bit word (radius) and a 24-bit one
   (angle) per pair, vectorised: about 2.4 ns per coordinate on one core here, a quarter of numpy's float32
   ziggurat's time, with a longer tail (9.4 standard deviations against 8.2). On a CUDA device each tensor's
   noise is drawn on the device by two Philox generators keyed by ``(draw key, tensor index)`` (a 64-bit
   seed and a 62-bit offset each) and averaged (``(z₁ + z₂)/√2``). PCG64DXSM, which draws the keys, the
   Poisson samples and the per-sample randomness, is fast but not a cryptographic generator: its output is
-  predictable to someone who sees enough of it raw, which a DP adversary never does (they see noisy sums);
-  the noise's AES keystream is unpredictable even then.
+  predictable to someone who sees enough of it raw, which a DP adversary never does (they see noisy sums).
+  Someone who could predict the noise stream would know the draw keys and hence the noise; short of that, the
+  AES keystream shows nothing of its key or of other blocks' noise.
 * ``"secure"`` (``privacy.secure_mode``, in the spirit of opacus's secure_mode): every draw comes from the
   operating system's cryptographic generator (``os.urandom``, ChaCha20 in Linux), and each Gaussian
   coordinate is the sum of four independent draws divided by two (Holohan and Braghin, 2021), which
@@ -62,6 +63,7 @@ _PAIRS_PER_CHUNK = 1 << 16
 _WORDS = np.dtype("<u8")  # keystream words are read little-endian on every platform
 _LOW_63 = np.uint64((1 << 63) - 1)
 _LOW_24 = np.uint32((1 << 24) - 1)
+_MIN_STD, _MAX_STD = 2.0**-100, 2.0**100  # a noise std outside would underflow or overflow somewhere in float32
 
 
 def private_entropy() -> int:
@@ -162,18 +164,25 @@ class GaussianDraw:
     the order or the thread in which they are drawn.
 
     Default mode: the draw takes a 128-bit key from ``stream``; block ``b`` (``NOISE_BLOCK`` coordinates) of
-    tensor ``i`` is drawn (Box-Muller, :func:`_box_muller_fill`) from the AES-128-CTR keystream whose key is 128
-    bits of ``SeedSequence(key, spawn_key=(i, b))`` (:meth:`keystream`), and on a CUDA device tensor ``i`` by two
-    Philox generators keyed by ``SeedSequence(key, spawn_key=(i,))``. Secure mode:
+    tensor ``i`` is drawn (Box-Muller, :func:`_box_muller_fill`) from the AES-128-CTR keystream whose key is
+    ``AES-128_key(i ‖ b)`` (:meth:`keystream`), and on a CUDA device tensor ``i`` by two Philox generators keyed
+    by ``SeedSequence(key, spawn_key=(i,))``. Secure mode:
     every block is fresh CSPRNG output (four Box-Muller draws summed and halved). The caller must give each
     tensor of the draw its own index and fill each block once.
 
     Args:
         stream: the noise stream (advanced by one key, 128 bits, in default mode).
-        std: the standard deviation.
+        std: the standard deviation, in ``[2^-100, 2^100]`` (so that every float32 step of the sampler is exact
+            to float32 rounding: no underflow to zero noise, no overflow).
+
+    Raises:
+        ValueError: for a standard deviation outside that range (or not a number).
     """
 
     def __init__(self, stream: RandomStream, std: float) -> None:
+        if not _MIN_STD <= std <= _MAX_STD:
+            raise ValueError(f"noise standard deviation {std!r} lies outside [2^-100, 2^100], where float32 noise "
+                             "would underflow or overflow")
         self.std = std
         self.secure = stream.mode == "secure"
         self._key = stream.draw_key()
@@ -194,11 +203,14 @@ class GaussianDraw:
             _box_muller_fill(self.keystream(index, block), part.numpy(), self.std)
 
     def keystream(self, index: int, block: int) -> CipherContext:
-        """The AES-128 counter-mode keystream of block ``block`` of tensor ``index``: the key is 128 bits of
-        ``SeedSequence(draw key, spawn_key=(index, block))``, so every block has its own key and its counter
-        starts at 0."""
-        key = np.random.SeedSequence(self._key, spawn_key=(index, block)).generate_state(4, dtype=np.uint32)
-        return Cipher(algorithms.AES(key.astype("<u4").tobytes()), modes.CTR(bytes(16))).encryptor()
+        """The AES-128 counter-mode keystream (counter from 0) of block ``block`` of tensor ``index``, under the key
+        ``AES-128_k(index ‖ block)`` (``k`` the draw key; index and block as little-endian 64-bit integers): a
+        pseudorandom function, so every block has its own key and one block's key gives away no other."""
+        if not (0 <= index < _TWO_64 and 0 <= block < _TWO_64):
+            raise ValueError(f"tensor index {index} and block {block} must lie in [0, 2^64)")
+        derive = Cipher(algorithms.AES(self._key.to_bytes(16, "little")), modes.ECB()).encryptor()
+        key = derive.update(index.to_bytes(8, "little") + block.to_bytes(8, "little")) + derive.finalize()
+        return Cipher(algorithms.AES(key), modes.CTR(bytes(16))).encryptor()
 
     def tensor(self, index: int, shape: tuple[int, ...], *, dtype: torch.dtype = torch.float32,
                device: torch.device = torch.device("cpu")) -> torch.Tensor:
@@ -263,7 +275,9 @@ def _box_muller_chunk(keystream: CipherContext, part: np.ndarray, std: float, sc
     """One chunk of :func:`_box_muller_fill`: ``part`` is ``[≤ 2P]`` float32, written in place."""
     pairs = (part.size + 1) // 2
     count = pairs + (pairs + 1) // 2
-    keystream.update_into(scratch.zeros[:8 * count], scratch.words.view(np.uint8)[:8 * count])
+    written = keystream.update_into(scratch.zeros[:8 * count], scratch.words.view(np.uint8)[:8 * count])
+    if written != 8 * count:
+        raise RuntimeError(f"the AES keystream gave {written} bytes where {8 * count} were asked")
     words = scratch.words[:count]  # words: [pairs + ⌈pairs/2⌉]
     radius, angle = scratch.radius[:pairs], scratch.angle[:pairs]  # [pairs] each
     np.bitwise_and(words[:pairs], _LOW_63, out=scratch.masked[:pairs])
@@ -271,8 +285,9 @@ def _box_muller_chunk(keystream: CipherContext, part: np.ndarray, std: float, sc
     radius *= np.float32(2.0**-63)
     radius += np.float32(2.0**-64)  # u₁ in (0, 1]
     np.log(radius, out=radius)
-    radius *= np.float32(-2.0 * std * std)
-    np.sqrt(radius, out=radius)  # std · √(−2 ln u₁)
+    radius *= np.float32(-2.0)
+    np.sqrt(radius, out=radius)
+    radius *= np.float32(std)  # std · √(−2 ln u₁), std applied last (std² could underflow or overflow)
     np.bitwise_and(words[pairs:].view(np.dtype("<u4"))[:pairs], _LOW_24, out=scratch.masked_half[:pairs])
     np.copyto(angle, scratch.masked_half[:pairs].view(np.int32), casting="unsafe")  # 24 bits: exact
     angle *= np.float32(2.0 * math.pi * 2.0**-24)

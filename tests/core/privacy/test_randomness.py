@@ -99,7 +99,7 @@ def box_muller_reference(words, count, pairs_per_chunk):
         size = min(2 * pairs_per_chunk, count - start)
         pairs = (size + 1) // 2
         radii = words[used:used + pairs]
-        halves = words[used + pairs:used + pairs + (pairs + 1) // 2].view(np.uint32)[:pairs]
+        halves = words[used + pairs:used + pairs + (pairs + 1) // 2].view("<u4")[:pairs]
         used += pairs + (pairs + 1) // 2
         u1 = (radii & np.uint64((1 << 63) - 1)).astype(np.float32) * np.float32(2.0**-63) + np.float32(2.0**-64)
         u1 = u1.astype(np.float64)  # (63 bits + ½) · 2^-63, rounded to float32 as the sampler does
@@ -123,25 +123,52 @@ def test_default_gaussians_are_float32_box_muller_on_63_and_24_bit_uniforms(coun
     assert abs(out[0]) == pytest.approx(0.5 * math.sqrt(2 * 64 * math.log(2)), rel=1e-5)
 
 
-def test_each_noise_block_is_box_muller_on_an_aes_128_ctr_keystream_keyed_by_the_draw_the_tensor_and_the_block():
+def aes_keystream_words(draw: GaussianDraw, index: int, block: int, words: int) -> np.ndarray:
+    """``words`` little-endian uint64 of AES-128-CTR (counter from 0) under ``AES-128_key(index ‖ block)``, computed
+    here with ECB: the keystream's 16-byte block j is AES of the counter j (big-endian)."""
+    derive = Cipher(algorithms.AES(draw._key.to_bytes(16, "little")), modes.ECB()).encryptor()
+    key = derive.update(index.to_bytes(8, "little") + block.to_bytes(8, "little"))
+    counters = b"".join(j.to_bytes(16, "big") for j in range((8 * words + 15) // 16))
+    stream = Cipher(algorithms.AES(key), modes.ECB()).encryptor().update(counters)
+    return np.frombuffer(stream[:8 * words], dtype="<u8")
+
+
+def test_each_noise_block_is_box_muller_on_one_aes_128_ctr_keystream_keyed_by_the_draw_the_tensor_and_the_block():
+    """A whole block (several chunks) and a short last block, against Box-Muller on one contiguous keystream
+    under the documented key: a keystream restarted per chunk, or keyed otherwise, fails."""
     draw = GaussianDraw(RandomStream(5, 0, "noise"), 0.5)
-    index, block, count = 2, 1, 1000
-    words = np.random.SeedSequence(draw._key, spawn_key=(index, block)).generate_state(4, dtype=np.uint32)
-    key = words.astype("<u4").tobytes()  # 128 bits
-    pairs = count // 2
-    keystream = Cipher(algorithms.AES(key), modes.CTR(bytes(16))).encryptor().update(bytes(8 * (pairs + pairs // 2)))
-    first_block = Cipher(algorithms.AES(key), modes.ECB()).encryptor().update(bytes(16))
-    assert keystream[:16] == first_block  # AES-128 of the counter, from 0
-    got = np.empty(count, dtype=np.float32)
-    randomness._box_muller_fill(draw.keystream(index, block), got, 0.5)
-    expected = 0.5 * box_muller_reference(np.frombuffer(keystream, dtype="<u8"), count, randomness._PAIRS_PER_CHUNK)
-    assert np.allclose(got, expected, rtol=1e-5, atol=1e-5)
-    tensor = torch.full((randomness.NOISE_BLOCK + count,), float("nan"))
-    draw.fill(index, tensor, block)
-    assert torch.equal(tensor[randomness.NOISE_BLOCK:], torch.from_numpy(got))
-    other = np.empty(count, dtype=np.float32)
-    randomness._box_muller_fill(draw.keystream(index, block + 1), other, 0.5)
-    assert not np.array_equal(got, other)
+    pairs = randomness._PAIRS_PER_CHUNK
+    tail = 2 * pairs + 3  # the second block: a full chunk and a short one of 3 coordinates
+    tensor = torch.full((randomness.NOISE_BLOCK + tail,), float("nan"))
+    for block in (0, 1):
+        draw.fill(7, tensor, block)
+    for block, count in ((0, randomness.NOISE_BLOCK), (1, tail)):
+        chunks = -(-count // (2 * pairs))
+        words = chunks * (pairs + (pairs + 1) // 2)  # enough for every chunk (the short one takes fewer)
+        expected = 0.5 * box_muller_reference(aes_keystream_words(draw, 7, block, words), count, pairs)
+        got = tensor[block * randomness.NOISE_BLOCK:][:count].numpy()
+        assert np.allclose(got, expected, rtol=1e-5, atol=1e-5), f"block {block}"
+    first, second = tensor[:2 * pairs], tensor[2 * pairs:4 * pairs]
+    assert (first == second).double().mean().item() < 1e-3  # no chunk repeats another's draws
+
+
+@pytest.mark.parametrize("std", [2.0**-100, 1e-20, 2.0**100])
+@pytest.mark.parametrize("flush_denormal", [False, True])
+def test_the_noise_has_its_standard_deviation_at_the_ends_of_the_accepted_range(std, flush_denormal):
+    previous = torch.set_flush_denormal(flush_denormal)
+    try:
+        noise = RandomStream(3, 0, "noise").normal((100_000,), std, dtype=torch.float64)
+    finally:
+        torch.set_flush_denormal(False)
+    assert previous is not None and noise.isfinite().all()
+    assert (noise == 0).double().mean().item() < 1e-4
+    assert (noise.std() / std).item() == pytest.approx(1.0, rel=0.02)
+
+
+@pytest.mark.parametrize("std", [0.0, 2.0**-101, 2.0**101, float("inf"), float("nan")])
+def test_a_noise_standard_deviation_that_float32_cannot_carry_is_refused(std):
+    with pytest.raises(ValueError, match="noise standard deviation"):
+        GaussianDraw(RandomStream(3, 0, "noise"), std)
 
 
 def test_secure_gaussians_are_four_box_muller_draws_from_the_csprng_summed_and_halved(monkeypatch):
@@ -178,21 +205,22 @@ def fill_all(draw: GaussianDraw, shapes: list[tuple[int, ...]], order: list[tupl
 
 
 def test_a_gaussian_draw_gives_the_same_noise_in_any_order_on_any_thread_and_fresh_noise_per_block(monkeypatch):
-    monkeypatch.setattr(randomness, "NOISE_BLOCK", 1000)
-    shapes = [(50, 70), (999,), (3, 1001)]  # 4, 1 and 4 blocks of 1,000 coordinates
+    block = 2 * randomness._PAIRS_PER_CHUNK + 3  # two chunks a block, the second short: threads overlap in chunks
+    monkeypatch.setattr(randomness, "NOISE_BLOCK", block)
+    shapes = [(12, block), (block - 5,), (block + 7,)]  # 12, 1 and 2 blocks
     order = [(i, b) for i, shape in enumerate(shapes) for b in GaussianDraw.blocks(math.prod(shape))]
-    assert len(order) == 9
+    assert len(order) == 15
     seed = private_entropy()
     in_order = fill_all(GaussianDraw(RandomStream(seed, 0, "noise"), 0.5), shapes, order)
     backwards = fill_all(GaussianDraw(RandomStream(seed, 0, "noise"), 0.5), shapes, order[::-1])
-    with ThreadPoolExecutor(3) as pool:
+    with ThreadPoolExecutor(4) as pool:
         threaded = fill_all(GaussianDraw(RandomStream(seed, 0, "noise"), 0.5), shapes, order, pool)
     assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(in_order, backwards, threaded))
     flat = torch.cat([t.flatten() for t in in_order])
-    assert not flat.isnan().any() and flat.std().item() == pytest.approx(0.5, rel=0.03)
-    blocks = [b[:100] for t in in_order for b in t.flatten().split(1000)]
+    assert not flat.isnan().any() and flat.std().item() == pytest.approx(0.5, rel=0.01)
+    blocks = [b[:100] for t in in_order for b in t.flatten().split(block)]
     assert len({tuple(b.tolist()) for b in blocks}) == len(blocks)  # no block repeats another's draws
-    whole = GaussianDraw(RandomStream(seed, 0, "noise"), 0.5).tensor(2, (3, 1001))
+    whole = GaussianDraw(RandomStream(seed, 0, "noise"), 0.5).tensor(2, (block + 7,))
     assert torch.equal(whole, in_order[2])
 
 
