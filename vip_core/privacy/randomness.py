@@ -6,23 +6,24 @@ seed it is given (``manual_seed(s)`` and ``manual_seed(s + 2**32)`` give the sam
 stream goes through it. Every stream here is a :class:`RandomStream` that answers the three questions a
 run asks (which examples, how much noise, which mask) from one of two sources:
 
-* ``"default"``: numpy's PCG64DXSM keyed by a 128-bit :class:`numpy.random.SeedSequence` spawned per
-  ``(rank, purpose)`` from the run's root entropy. A private run's root entropy is 128 bits of OS entropy
+* ``"default"``: numpy's PCG64DXSM keyed by a 128-bit :class:`numpy.random.SeedSequence` spawned per ``(rank,
+  purpose)`` from the run's root entropy. A private run's root entropy is 128 bits of OS entropy
   (:func:`private_entropy`), drawn afresh by every run: an attacker who knows the configuration still has
   2^128 keys to search. Gaussian noise is drawn as a :class:`GaussianDraw`: each draw takes a fresh 128-bit
-  key from the stream, and each block of ``NOISE_BLOCK`` coordinates of each tensor comes from its own
-  AES-128 keystream (counter mode, OpenSSL through the ``cryptography`` package, about 1 ns per 64-bit word
-  here with AES-NI, three times PCG64DXSM's speed) whose key is AES-128 under the draw key of
-  ``(tensor index, block)`` (a pseudorandom function: one block's key tells nothing of another's or of the
-  draw key), so the blocks can be drawn on several threads, in any order, and still give the same values. The CPU sampler is Box-Muller in float32 on a 63-bit word (radius) and a 24-bit one
-  (angle) per pair, vectorised: about 2.4 ns per coordinate on one core here, a quarter of numpy's float32
-  ziggurat's time, with a longer tail (9.4 standard deviations against 8.2). On a CUDA device each tensor's
-  noise is drawn on the device by two Philox generators keyed by ``(draw key, tensor index)`` (a 64-bit
-  seed and a 62-bit offset each) and averaged (``(z₁ + z₂)/√2``). PCG64DXSM, which draws the keys, the
-  Poisson samples and the per-sample randomness, is fast but not a cryptographic generator: its output is
-  predictable to someone who sees enough of it raw, which a DP adversary never does (they see noisy sums).
-  Someone who could predict the noise stream would know the draw keys and hence the noise; short of that, the
-  AES keystream shows nothing of its key or of other blocks' noise.
+  key from the stream, and each block of ``NOISE_BLOCK`` coordinates of each tensor comes from its own AES-128
+  keystream (counter mode, OpenSSL through the ``cryptography`` package, about 1 ns per 64-bit word here with
+  AES-NI, three times PCG64DXSM's speed) whose key is AES-128 under the draw key of ``(tensor index, block)``
+  (a pseudorandom function: one block's key tells nothing of another's or of the draw key), so the blocks can
+  be drawn on several threads, in any order, and still give the same values. The CPU sampler is Box-Muller in
+  float32 on a 63-bit word (radius) and a 24-bit one (angle) per pair, vectorised: about 2.3 ns per coordinate
+  on one core here, a quarter of numpy's float32 ziggurat's time, with a longer tail (9.4 standard deviations
+  against 8.2). On a CUDA device each tensor's noise is drawn on the device by two Philox generators keyed by
+  ``(draw key, tensor index)`` (a 64-bit seed and a 62-bit offset each) and averaged (``(z₁ + z₂)/√2``).
+  PCG64DXSM, which draws the keys, the Poisson samples and the per-sample randomness, is fast but not a
+  cryptographic generator: its output is predictable to someone who sees enough of it raw, which a DP
+  adversary never does (they see noisy sums). Someone who could predict the noise stream would know the draw
+  keys and hence the noise; short of that, the AES keystream shows nothing of its key or of other blocks'
+  noise.
 * ``"secure"`` (``privacy.secure_mode``, in the spirit of opacus's secure_mode): every draw comes from the
   operating system's cryptographic generator (``os.urandom``, ChaCha20 in Linux), and each Gaussian
   coordinate is the sum of four independent draws divided by two (Holohan and Braghin, 2021), which
