@@ -32,6 +32,10 @@ timed rounds (its overhead included, so they do not add up to the timed medians 
 
 ``max_abs_err_vs_naive``: the engine's clipped sum (noise off) against a one-sample-at-a-time autograd
 reference on the first samples of the batch, with fixed masks, as the largest absolute difference.
+
+``noise_ns_per_coordinate_one_thread`` and ``noise_ns_per_coordinate_every_core``: the default-mode CPU noise sampler
+alone (``GaussianDraw.fill``, the engine's helper-thread path) filling ``NOISE_COORDINATES`` coordinates already in
+memory, block by block, on one thread and on ``cores`` threads: the median wall-clock nanoseconds per coordinate.
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ from typing import Any, Callable
 
 TARGET_RATIO = 1.3
 NAIVE_SAMPLES = 8
+NOISE_COORDINATES = 1 << 23  # 8 blocks of the sampler
+NOISE_ROUNDS = 7  # timed, after one untimed round (the helpers' scratch memory is allocated in it)
 
 
 def bench_dp_step(
@@ -105,6 +111,12 @@ def _bench(preset: str, img_size: int, batch: int, repeats: int, warmup: int, op
             result[f"{mode}_peak_mem_ratio"] = peaks[mode] / peaks["nonprivate"]
     result["phases_s"] = phases
     result["max_abs_err_vs_naive"] = naive_error(config, images[:NAIVE_SAMPLES])
+    from vip_core.privacy.engine import usable_cores
+
+    cores = usable_cores()
+    result["cores"] = cores
+    result["noise_ns_per_coordinate_one_thread"] = noise_ns_per_coordinate(1)
+    result["noise_ns_per_coordinate_every_core"] = noise_ns_per_coordinate(cores)
     result["target_ratio"] = TARGET_RATIO
     if opacus:
         result["opacus_model"] = "the same MAE modules re-assembled with cls/mask tokens in submodules (opacus_mae)"
@@ -383,6 +395,26 @@ def _live_tensor_bytes_class() -> type:
     return LiveTensorBytes
 
 
+
+
+def noise_ns_per_coordinate(threads: int) -> float:
+    """Median nanoseconds per coordinate of the default CPU noise sampler on ``threads`` threads, one block per task."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from vip_core.privacy.randomness import GaussianDraw, RandomStream
+
+    buffer = torch.zeros(NOISE_COORDINATES)  # already in memory: the sampler alone, no page faults
+    draw = GaussianDraw(RandomStream(0, 0, "noise"), 1.0)
+    blocks = list(GaussianDraw.blocks(buffer.numel()))
+    seconds = []
+    with ThreadPoolExecutor(threads, "bench-noise") as pool:
+        for _ in range(1 + NOISE_ROUNDS):
+            start = time.perf_counter()
+            list(pool.map(lambda block: draw.fill(0, buffer, block), blocks))
+            seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds[1:]) / buffer.numel() * 1e9
 
 
 def naive_error(config: Any, images: Any) -> float:

@@ -213,7 +213,7 @@ class _StepNoise:
         self.early = False
         self.pool: ThreadPoolExecutor | None = None
         if draw is not None:
-            idle_cores = _usable_cores() - torch.get_num_threads()
+            idle_cores = usable_cores() - torch.get_num_threads()
             self.early = idle_cores > 0
             helpers = idle_cores if self.early else max(1, torch.get_num_threads())
             self.pool = ThreadPoolExecutor(helpers, "vip-noise")
@@ -275,7 +275,7 @@ class _StepNoise:
             self.pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _usable_cores() -> int:
+def usable_cores() -> int:
     """The cores this process may run on (all of the machine's where the OS cannot say)."""
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))

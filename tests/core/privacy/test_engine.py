@@ -257,7 +257,7 @@ def test_the_noise_is_drawn_during_the_backward_only_on_cores_torch_leaves_idle(
     competing with torch's threads would slow its matmuls, so they draw it all before the clipped sums."""
     from vip_core.privacy import engine
 
-    monkeypatch.setattr(engine, "_usable_cores", lambda: 2)
+    monkeypatch.setattr(engine, "usable_cores", lambda: 2)
     model = nn.Sequential(nn.Linear(3, 2000), nn.Linear(2000, 2000))  # 4 M coordinates: drawn in ~20 ms
     pending_after_backward = []
     norms = per_sample.MatmulRule.squared_norms
@@ -295,7 +295,7 @@ def test_the_usable_cores_fall_back_to_the_cpu_count_where_the_os_has_no_affinit
 
     monkeypatch.delattr(engine.os, "sched_getaffinity", raising=False)
     monkeypatch.setattr(engine.os, "cpu_count", lambda: 3)
-    assert engine._usable_cores() == 3
+    assert engine.usable_cores() == 3
     clipped = ClippedGradientSum(nn.Linear(3, 2), max_grad_norm=1.0, noise_multiplier=1.0,
                                  noise=RandomStream(1, 0, "noise"))
     clipped.add(lambda m, x: m(x).sum(-1), torch.randn(4, 3))

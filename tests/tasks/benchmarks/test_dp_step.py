@@ -14,7 +14,7 @@ from vip_core.models.mae import build_mae
 
 KEYS = (
     "nonprivate_s", "dp_s", "dp_ratio", "dp_peak_mem_ratio", "opacus_ghost_ratio", "opacus_hooks_ratio",
-    "max_abs_err_vs_naive",
+    "max_abs_err_vs_naive", "noise_ns_per_coordinate_one_thread", "noise_ns_per_coordinate_every_core",
 )
 
 
@@ -26,6 +26,7 @@ def test_bench_dp_step_prints_the_figures_as_json(capsys):
         assert isinstance(result[key], float) and result[key] >= 0, key
     assert result["max_abs_err_vs_naive"] < 1e-5
     assert result["dp_ratio"] == result["dp_s"] / result["nonprivate_s"]
+    assert result["cores"] >= 1 and result["noise_ns_per_coordinate_one_thread"] > 0
 
 
 def test_bench_dp_step_times_a_logical_step_of_several_microbatches_phase_by_phase(capsys):
