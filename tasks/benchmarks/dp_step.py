@@ -30,6 +30,13 @@ clip factors; ``clipped_sum``, the clipped sums including ``noise_wait``, the ti
 threads that draw the noise; ``optimizer``), the median over a few steps run under torch's profiler after the
 timed rounds (its overhead included, so they do not add up to the timed medians exactly).
 
+``--device cuda`` runs every mode on the GPU (the images, the models and their optimiser state there; the
+naive reference stays on the CPU): each step ends in ``torch.cuda.synchronize()`` before its time is read,
+the peak counts the device's tensors the same way, and ``kernels_s`` replaces ``phases_s``: the kernels that
+take longest in one ``nonprivate`` and one ``dp`` step, by name, with their device seconds. On a GPU the
+engine draws the noise on the device (two Philox generators per tensor), so ``noise_wait`` is absent; the
+``noise_ns_per_coordinate_*`` figures stay those of the CPU sampler (the path of CPU training).
+
 ``max_abs_err_vs_naive``: the engine's clipped sum (noise off) against a one-sample-at-a-time autograd
 reference on the first samples of the batch, with fixed masks, as the largest absolute difference.
 
@@ -55,7 +62,7 @@ NOISE_ROUNDS = 7  # timed, after one untimed round (the helpers' scratch memory 
 
 def bench_dp_step(
     *, preset: str, img_size: int, batch: int, repeats: int, warmup: int, threads: int, opacus: bool, seed: int,
-    precision: str = "fp32", microbatches: int = 1,
+    precision: str = "fp32", microbatches: int = 1, device: str = "cpu",
 ) -> dict[str, Any]:
     """Times and measures every mode on the MAE of ``preset`` at ``img_size``, a logical step being
     ``microbatches`` physical batches of ``batch``; returns the figures."""
@@ -63,19 +70,22 @@ def bench_dp_step(
         raise ValueError("--microbatches above 1 times this engine and the non-private step only: add --no-opacus")
     import torch
 
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: torch sees no CUDA device here")
     previous_threads = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Full backward hook", category=UserWarning)
-            return _bench(preset, img_size, batch, repeats, warmup, opacus, seed, precision, microbatches)
+            return _bench(preset, img_size, batch, repeats, warmup, opacus, seed, precision, microbatches,
+                          torch.device(device))
     finally:
         torch.set_num_threads(previous_threads)
 
 
 def _bench(preset: str, img_size: int, batch: int, repeats: int, warmup: int, opacus: bool, seed: int,
-           precision: str, microbatches: int) -> dict[str, Any]:
+           precision: str, microbatches: int, device: Any) -> dict[str, Any]:
     import torch
 
     from vip_core.config import get_preset, with_overrides
@@ -87,13 +97,14 @@ def _bench(preset: str, img_size: int, batch: int, repeats: int, warmup: int, op
     config = with_overrides(config, {"model.img_size": img_size})
     torch.manual_seed(seed)
     images = torch.randn(microbatches * batch, 3, img_size, img_size)  # images: [K*B, 3, S, S]
-    steps = _step_functions(config, images, batch, opacus, precision)
+    steps = _step_functions(config, images.to(device), batch, opacus, precision)
     seconds, cpu_seconds = _interleaved_medians(steps, repeats, warmup)
     peaks = {name: _peak_bytes(step, state) for name, (step, state) in steps.items()}
-    phases = {name: _phase_medians(steps[name][0]) for name in ("nonprivate", "dp")}
+    phases = {name: (_kernel_seconds if device.type == "cuda" else _phase_medians)(steps[name][0])
+              for name in ("nonprivate", "dp")}
     result: dict[str, Any] = {
         "preset": preset, "img_size": img_size, "batch": batch, "microbatches": microbatches,
-        "repeats": repeats, "precision": precision,
+        "repeats": repeats, "precision": precision, "device": _device_name(device),
         "threads": torch.get_num_threads(),
         "nonprivate_s": seconds["nonprivate"], "dp_s": seconds["dp"],
         "dp_ratio": seconds["dp"] / seconds["nonprivate"],
@@ -109,7 +120,7 @@ def _bench(preset: str, img_size: int, batch: int, repeats: int, warmup: int, op
             result[f"{mode}_ratio"] = seconds[mode] / seconds["nonprivate"]
             result[f"{mode}_cpu_ratio"] = cpu_seconds[mode] / cpu_seconds["nonprivate"]
             result[f"{mode}_peak_mem_ratio"] = peaks[mode] / peaks["nonprivate"]
-    result["phases_s"] = phases
+    result["kernels_s" if device.type == "cuda" else "phases_s"] = phases
     result["max_abs_err_vs_naive"] = naive_error(config, images[:NAIVE_SAMPLES])
     from vip_core.privacy.engine import usable_cores
 
@@ -144,7 +155,7 @@ def _step_functions(config: Any, images: Any, batch: int, opacus: bool,
         with autocast(precision, images.device):
             return model(*inputs, **options)
 
-    base = build_mae(config.model)
+    base = build_mae(config.model).to(images.device)
     steps: dict[str, tuple[Callable[[], None], list]] = {}
 
     plain = copy.deepcopy(base)
@@ -169,7 +180,26 @@ def _step_functions(config: Any, images: Any, batch: int, opacus: bool,
     if opacus:
         steps["opacus_ghost"] = _opacus_step(base, images, forward, ghost=True)
         steps["opacus_hooks"] = _opacus_step(base, images, forward, ghost=False)
+    if images.device.type == "cuda":
+        steps = {name: (_synchronized(step), held) for name, (step, held) in steps.items()}
     return steps
+
+
+def _synchronized(step: Callable[[], None]) -> Callable[[], None]:
+    """``step`` that returns once the GPU has run every kernel it launched (a step's time is its kernels')."""
+    import torch
+
+    def run() -> None:
+        step()
+        torch.cuda.synchronize()
+
+    return run
+
+
+def _device_name(device: Any) -> str:
+    import torch
+
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 def _private_step(base: Any, images: Any, physical: int, forward: Callable, *,
@@ -192,7 +222,7 @@ def _private_step(base: Any, images: Any, physical: int, forward: Callable, *,
 
     def run() -> None:
         step(lambda local, stream: (images[local], stream.uniform((len(local), model.num_patches))),
-             lambda mae, inputs: forward(mae, inputs[0], noise=inputs[1])[0].float())
+             lambda mae, inputs: forward(mae, inputs[0], noise=inputs[1].to(images.device))[0].float())
 
     return run, [model, step.optimizer]
 
@@ -336,6 +366,25 @@ def _phase_medians(step: Callable[[], None]) -> dict[str, float]:
         rounds.append({event.key.removeprefix("vip."): event.cpu_time_total / 1e6
                        for event in profiler.key_averages() if event.key.startswith("vip.")})
     return {name: statistics.median(r.get(name, 0.0) for r in rounds) for name in sorted(rounds[0])}
+
+
+TOP_KERNELS = 12
+
+
+def _kernel_seconds(step: Callable[[], None]) -> dict[str, float]:
+    """The ``TOP_KERNELS`` GPU kernels (and copies) that take longest in one step, by name: their device seconds,
+    and ``"all"``: every kernel's. (On a GPU the ``vip.*`` ranges time kernel launches, not kernels: the backward's
+    kernels are launched from autograd's device thread, outside them.)"""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+        step()
+    kernels = [e for e in profiler.key_averages() if e.device_type == DeviceType.CUDA]
+    kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    seconds = {e.key[:80]: e.self_device_time_total / 1e6 for e in kernels[:TOP_KERNELS]}
+    seconds["all"] = sum(e.self_device_time_total for e in kernels) / 1e6
+    return seconds
 
 
 def _peak_bytes(step: Callable[[], None], held: list) -> int:

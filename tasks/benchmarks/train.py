@@ -22,6 +22,9 @@ while no step runs); images/s is realised images over wall time.
 ``input_ratio`` = shards / in-memory (target >= 0.95). ``loader_images_per_s_per_proc``: the pipeline's decode
 alone (read, JPEG draft decode, resize, uint8) on one thread over every image. On a shared machine the figures
 are noisy: the load average is printed with them.
+
+``--device cuda``: both models train on the GPU (the decoded images pinned in host memory, copied to the device
+at step time, as the pre-training worker does with ``use_gpu``); each block's time ends with the GPU's last kernel.
 """
 
 from __future__ import annotations
@@ -40,9 +43,12 @@ LR = 1e-4
 
 def bench_train(*, preset: str, img_size: int | None, batch: int, images: int, source_side: int, steps: int,
                 rounds: int, warmup: int, threads: int, decode_workers: int | None, decode_mode: str | None,
-                ahead: int, precision: str, seed: int = 0) -> dict[str, Any]:
+                ahead: int, precision: str, seed: int = 0, device: str = "cpu") -> dict[str, Any]:
     """Images/s of the DP step from shards and from memory, and of the loader alone; see the module."""
     import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: torch sees no CUDA device here")
 
     from vip_core.config import get_preset, with_overrides
     from vip_core.train.data import ShardPartition, measure_shards
@@ -67,15 +73,17 @@ def bench_train(*, preset: str, img_size: int | None, batch: int, images: int, s
             started = time.perf_counter()
             memory = partition.pixels(torch.arange(len(partition)))  # memory: [N, 3, S, S] uint8
             loader_rate = len(partition) / (time.perf_counter() - started)
+            if device == "cuda":
+                memory = memory.pin_memory()
             rates = _interleaved(config, partition, memory, batch=batch, steps=steps, rounds=rounds, warmup=warmup,
                                  decode_workers=decode_workers, decode_mode=decode_mode, ahead=ahead,
-                                 precision=precision, seed=seed)
+                                 precision=precision, seed=seed, device=torch.device(device))
         used_threads = torch.get_num_threads()
     finally:
         torch.set_num_threads(previous_threads)
     ratio = rates["shards"] / rates["in_memory"]
     return {
-        "benchmark": "train", "preset": preset, "img_size": config.model.img_size, "batch": batch,
+        "benchmark": "train", "preset": preset, "device": device, "img_size": config.model.img_size, "batch": batch,
         "images": images, "source_side": source_side, "precision": precision, "steps": steps, "rounds": rounds,
         "torch_threads": used_threads, "decode_mode": decode_mode, "decode_workers": decode_workers,
         "ahead": ahead, "untimed_steps_per_block": ahead + 1,
@@ -99,16 +107,18 @@ def _write_photos(folder: Path, count: int, side: int) -> Path:
 
 
 def _interleaved(config: Any, partition: Any, memory: Any, *, batch: int, steps: int, rounds: int, warmup: int,
-                 decode_workers: int, decode_mode: str, ahead: int, precision: str, seed: int) -> dict[str, float]:
+                 decode_workers: int, decode_mode: str, ahead: int, precision: str, seed: int,
+                 device: Any) -> dict[str, float]:
     """Images/s of each side over all its timed blocks."""
     import torch
 
     from vip_core.models.mae import build_mae
 
     torch.manual_seed(seed)
-    base = build_mae(config.model)
+    base = build_mae(config.model).to(device)
     in_memory, shards = _private_step(base, config, len(memory), batch), _private_step(base, config, len(memory), batch)
-    pipeline = shards.prefetch(partition.pixels, ahead=ahead, workers=decode_workers, mode=decode_mode)
+    pipeline = shards.prefetch(partition.pixels, ahead=ahead, workers=decode_workers, mode=decode_mode,
+                               pin_memory=device.type == "cuda")
     pipeline.load_state_dict(in_memory.sampler.state_dict())  # the same Poisson samples on both sides
     sources = {"in_memory": (in_memory, lambda local: memory[local]), "shards": (shards, pipeline.pixels)}
     totals = {name: [0, 0.0] for name in sources}
@@ -117,13 +127,23 @@ def _interleaved(config: Any, partition: Any, memory: Any, *, batch: int, steps:
             # untimed: the warm-up, then each block's first ahead + 1 steps (the pipeline starts cold once per
             # run, and at every block here; the timed steps' samples are all drawn while steps run)
             _block(step, pixels, precision, (warmup if attempt == 0 else 0) + ahead + 1)
+            _finish(device)
             started = time.perf_counter()
             totals[name][0] += _block(step, pixels, precision, steps)
+            _finish(device)
             totals[name][1] += time.perf_counter() - started
             if name == "shards":
                 pipeline.load_state_dict(pipeline.state_dict())  # the next block starts cold
     pipeline.close()
     return {name: images / seconds for name, (images, seconds) in totals.items()}
+
+
+def _finish(device: Any) -> None:
+    """Waits for the GPU's kernels, if the steps run on one."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _private_step(base: Any, config: Any, dataset_size: int, batch: int) -> Any:

@@ -35,12 +35,18 @@ def _register_dp_step(benchmarks: Any) -> None:
                         help="torch CPU threads (default: 1, steady on a shared machine); 0 keeps torch's default")
     parser.add_argument("--no-opacus", action="store_true", help="skip the two opacus modes")
     add_precision(parser)
+    add_device(parser)
     parser.add_argument("--seed", type=int, default=0)
 
 
 def add_precision(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
                         help="forward under bf16 autocast or not (default: fp32)")
+
+
+def add_device(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the models and the steps run (default: cpu)")
 
 
 def _register_render(benchmarks: Any) -> None:
@@ -92,6 +98,7 @@ def _register_train(benchmarks: Any) -> None:
                         help="decode in processes or threads (default: the pre-training worker's)")
     parser.add_argument("--ahead", type=count(1), default=2, help="steps drawn and decoded ahead (default: 2)")
     add_precision(parser)
+    add_device(parser)
 
 
 def handle_train(args: argparse.Namespace) -> int:
@@ -100,7 +107,7 @@ def handle_train(args: argparse.Namespace) -> int:
     result = bench_train(preset=args.preset, img_size=args.img_size, batch=args.batch, images=args.images,
                          source_side=args.source_side, steps=args.steps, rounds=args.rounds, warmup=args.warmup,
                          threads=args.threads, decode_workers=args.decode_workers, decode_mode=args.decode_mode,
-                         ahead=args.ahead, precision=args.precision)
+                         ahead=args.ahead, precision=args.precision, device=args.device)
     lines = [f"DP step from shards {result['step_images_per_s']:8.1f} img/s   from memory "
              f"{result['in_memory_images_per_s']:8.1f} img/s   input_ratio {result['input_ratio']:.3f} "
              f"(target >= {result['target_input_ratio']}: {result['meets_target']})",
@@ -115,7 +122,7 @@ def handle_dp_step(args: argparse.Namespace) -> int:
 
     result = bench_dp_step(preset=args.preset, img_size=args.img_size, batch=args.batch, repeats=args.repeats,
                            warmup=args.warmup, threads=args.threads, opacus=not args.no_opacus, seed=args.seed,
-                           precision=args.precision, microbatches=args.microbatches)
+                           precision=args.precision, microbatches=args.microbatches, device=args.device)
     return _report(args, result, [f"{key:>28}: {value}" for key, value in result.items()])
 
 

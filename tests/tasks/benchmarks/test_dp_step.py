@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from tasks.benchmarks.dp_step import opacus_mae
@@ -48,6 +49,28 @@ def test_bench_refuses_microbatches_with_the_opacus_modes(capsys):
 def test_bench_rejects_an_image_size_that_does_not_fit_the_patches(capsys):
     assert main(["bench", "dp-step", "--json", "--img-size", "30"]) == 2
     assert "img-size" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a CUDA device")
+def test_bench_on_cuda_without_a_gpu_is_a_one_line_error(capsys):
+    assert main(["bench", "dp-step", "--json", "--device", "cuda"]) == 2
+    assert "--device cuda: torch sees no CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_bench_dp_step_on_cuda_times_the_gpu_steps_and_names_their_kernels(capsys):
+    code = main(["bench", "dp-step", "--json", "--device", "cuda", "--batch", "8", "--repeats", "1", "--warmup", "1",
+                 "--precision", "bf16"])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["device"] == torch.cuda.get_device_name() and "phases_s" not in result
+    for key in KEYS:
+        assert isinstance(result[key], float) and result[key] >= 0, key
+    for mode in ("nonprivate", "dp"):
+        kernels = result["kernels_s"][mode]
+        assert kernels["all"] > 0 and sum(v for k, v in kernels.items() if k != "all") <= kernels["all"] + 1e-9
+    assert result["max_abs_err_vs_naive"] < 1e-5
 
 
 def test_opacus_wrapper_computes_the_mae_loss():

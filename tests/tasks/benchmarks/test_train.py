@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
+import torch
+
 from tasks.cli import main
 from vip_core.train.pipeline import DECODE_MODE
 
@@ -30,3 +33,11 @@ def test_bench_train_prints_its_figures_beside_the_in_memory_baseline(capsys):
 def test_a_batch_larger_than_the_images_is_a_clear_error(capsys):
     assert main(["bench", "train", "--images", "4", "--batch", "8"]) == 2
     assert "--batch 8 exceeds the 4 images" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_bench_train_on_cuda_trains_both_sides_on_the_gpu(capsys):
+    assert main([*ARGS, "--json", "--device", "cuda", "--precision", "bf16"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["device"] == "cuda" and result["step_images_per_s"] > 0 and result["in_memory_images_per_s"] > 0
