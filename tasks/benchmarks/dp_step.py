@@ -4,7 +4,8 @@ Five ways to take one optimiser step on the same MAE and the same batch run inte
 round, after warm-up (one torch thread by default, which keeps the figures steady on a shared machine):
 ``nonprivate`` (forward, mean loss backward, AdamW), ``dp`` (this project's private step with q = 1:
 Poisson draw, masks and noise from 128-bit-keyed streams, per-sample clipping, DP-AdamW, ledger),
-``dp_secure`` (the same in secure mode: every random number from the OS CSPRNG, four-draw Gaussian),
+``dp_secure`` (the same in secure mode: every random number from the OS CSPRNG, four-draw Gaussian; skipped
+with ``--no-secure``),
 ``opacus_hooks`` and ``opacus_ghost`` (opacus 1.6.0 ``GradSampleModule`` + ``DPOptimizer``, and ghost
 clipping). ``--microbatches K`` makes a step a logical batch of K physical batches of ``--batch`` (the
 non-private step accumulates K backward passes; the private step sums K microbatches' clipped gradients),
@@ -32,8 +33,9 @@ timed rounds (its overhead included, so they do not add up to the timed medians 
 
 ``--device cuda`` runs every mode on the GPU (the images, the models and their optimiser state there; the
 naive reference stays on the CPU): each step ends in ``torch.cuda.synchronize()`` before its time is read,
-the peak counts the device's tensors the same way, and ``kernels_s`` replaces ``phases_s``: the kernels that
-take longest in one ``nonprivate`` and one ``dp`` step, by name, with their device seconds. On a GPU the
+the peak counts the device's tensors the same way, and ``kernels_s`` replaces ``phases_s``: for one
+``nonprivate`` and one ``dp`` step, the kernels that take longest, by name, with their device seconds, and the
+device span of each ``vip.*`` range (:func:`_kernel_seconds`). On a GPU the
 engine draws the noise on the device (two Philox generators per tensor), so ``noise_wait`` is absent; the
 ``noise_ns_per_coordinate_*`` figures stay those of the CPU sampler (the path of CPU training).
 
@@ -62,7 +64,7 @@ NOISE_ROUNDS = 7  # timed, after one untimed round (the helpers' scratch memory 
 
 def bench_dp_step(
     *, preset: str, img_size: int, batch: int, repeats: int, warmup: int, threads: int, opacus: bool, seed: int,
-    precision: str = "fp32", microbatches: int = 1, device: str = "cpu",
+    precision: str = "fp32", microbatches: int = 1, device: str = "cpu", secure: bool = True,
 ) -> dict[str, Any]:
     """Times and measures every mode on the MAE of ``preset`` at ``img_size``, a logical step being
     ``microbatches`` physical batches of ``batch``; returns the figures."""
@@ -79,13 +81,13 @@ def bench_dp_step(
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Full backward hook", category=UserWarning)
             return _bench(preset, img_size, batch, repeats, warmup, opacus, seed, precision, microbatches,
-                          torch.device(device))
+                          torch.device(device), secure)
     finally:
         torch.set_num_threads(previous_threads)
 
 
 def _bench(preset: str, img_size: int, batch: int, repeats: int, warmup: int, opacus: bool, seed: int,
-           precision: str, microbatches: int, device: Any) -> dict[str, Any]:
+           precision: str, microbatches: int, device: Any, secure: bool) -> dict[str, Any]:
     import torch
 
     from vip_core.config import get_preset, with_overrides
@@ -97,7 +99,7 @@ def _bench(preset: str, img_size: int, batch: int, repeats: int, warmup: int, op
     config = with_overrides(config, {"model.img_size": img_size})
     torch.manual_seed(seed)
     images = torch.randn(microbatches * batch, 3, img_size, img_size)  # images: [K*B, 3, S, S]
-    steps = _step_functions(config, images.to(device), batch, opacus, precision)
+    steps = _step_functions(config, images.to(device), batch, opacus, precision, secure)
     seconds, cpu_seconds = _interleaved_medians(steps, repeats, warmup)
     peaks = {name: _peak_bytes(step, state) for name, (step, state) in steps.items()}
     phases = {name: (_kernel_seconds if device.type == "cuda" else _phase_medians)(steps[name][0])
@@ -111,15 +113,14 @@ def _bench(preset: str, img_size: int, batch: int, repeats: int, warmup: int, op
         "dp_cpu_ratio": cpu_seconds["dp"] / cpu_seconds["nonprivate"],
         "nonprivate_peak_mb": peaks["nonprivate"] / 2**20, "dp_peak_mb": peaks["dp"] / 2**20,
         "dp_peak_mem_ratio": peaks["dp"] / peaks["nonprivate"],
-        "dp_secure_s": seconds["dp_secure"], "dp_secure_ratio": seconds["dp_secure"] / seconds["nonprivate"],
-        "dp_secure_cpu_ratio": cpu_seconds["dp_secure"] / cpu_seconds["nonprivate"],
     }
-    for mode in ("opacus_ghost", "opacus_hooks"):
+    for mode in ("dp_secure", "opacus_ghost", "opacus_hooks"):
         if mode in seconds:
             result[f"{mode}_s"] = seconds[mode]
             result[f"{mode}_ratio"] = seconds[mode] / seconds["nonprivate"]
             result[f"{mode}_cpu_ratio"] = cpu_seconds[mode] / cpu_seconds["nonprivate"]
-            result[f"{mode}_peak_mem_ratio"] = peaks[mode] / peaks["nonprivate"]
+            if mode != "dp_secure":
+                result[f"{mode}_peak_mem_ratio"] = peaks[mode] / peaks["nonprivate"]
     result["kernels_s" if device.type == "cuda" else "phases_s"] = phases
     result["max_abs_err_vs_naive"] = naive_error(config, images[:NAIVE_SAMPLES])
     from vip_core.privacy.engine import usable_cores
@@ -141,8 +142,8 @@ NOISE_MULTIPLIER = 1.0
 LR = 1e-4
 
 
-def _step_functions(config: Any, images: Any, batch: int, opacus: bool,
-                    precision: str) -> dict[str, tuple[Callable[[], None], list]]:
+def _step_functions(config: Any, images: Any, batch: int, opacus: bool, precision: str,
+                    secure: bool) -> dict[str, tuple[Callable[[], None], list]]:
     """``name -> (one optimiser step, tensors held between steps)`` for every mode, each on its own copy, with
     its forward in ``precision``."""
     from torch.profiler import record_function
@@ -175,8 +176,9 @@ def _step_functions(config: Any, images: Any, batch: int, opacus: bool,
 
     steps["nonprivate"] = (nonprivate, [plain, plain_opt])
 
-    for name, secure in (("dp", False), ("dp_secure", True)):
-        steps[name] = _private_step(base, images, batch, forward, secure=secure)
+    steps["dp"] = _private_step(base, images, batch, forward, secure=False)
+    if secure:
+        steps["dp_secure"] = _private_step(base, images, batch, forward, secure=True)
     if opacus:
         steps["opacus_ghost"] = _opacus_step(base, images, forward, ghost=True)
         steps["opacus_hooks"] = _opacus_step(base, images, forward, ghost=False)
@@ -371,20 +373,24 @@ def _phase_medians(step: Callable[[], None]) -> dict[str, float]:
 TOP_KERNELS = 12
 
 
-def _kernel_seconds(step: Callable[[], None]) -> dict[str, float]:
-    """The ``TOP_KERNELS`` GPU kernels (and copies) that take longest in one step, by name: their device seconds,
-    and ``"all"``: every kernel's. (On a GPU the ``vip.*`` ranges time kernel launches, not kernels: the backward's
-    kernels are launched from autograd's device thread, outside them.)"""
+def _kernel_seconds(step: Callable[[], None]) -> dict[str, dict[str, float]]:
+    """One step under torch's profiler on the GPU: ``kernels``, the ``TOP_KERNELS`` kernels (and copies) that
+    take longest, by name, with their device seconds, and ``"all"``, every kernel's; ``ranges``, the device span
+    of each ``vip.*`` range (from its first kernel's start to its last kernel's end, summed over the range's
+    calls: the spans include the gaps between kernels and can overlap one another)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
         step()
-    kernels = [e for e in profiler.key_averages() if e.device_type == DeviceType.CUDA]
-    kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    on_device = [e for e in profiler.key_averages() if e.device_type == DeviceType.CUDA]
+    ranges = [e for e in on_device if getattr(e, "is_user_annotation", False)]
+    kernels = sorted((e for e in on_device if not getattr(e, "is_user_annotation", False)),
+                     key=lambda e: e.self_device_time_total, reverse=True)
     seconds = {e.key[:80]: e.self_device_time_total / 1e6 for e in kernels[:TOP_KERNELS]}
     seconds["all"] = sum(e.self_device_time_total for e in kernels) / 1e6
-    return seconds
+    spans = {e.key.removeprefix("vip."): e.device_time_total / 1e6 for e in ranges if e.key.startswith("vip.")}
+    return {"kernels": seconds, "ranges": spans}
 
 
 def _peak_bytes(step: Callable[[], None], held: list) -> int:

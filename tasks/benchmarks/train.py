@@ -23,8 +23,10 @@ while no step runs); images/s is realised images over wall time.
 alone (read, JPEG draft decode, resize, uint8) on one thread over every image. On a shared machine the figures
 are noisy: the load average is printed with them.
 
-``--device cuda``: both models train on the GPU (the decoded images pinned in host memory, copied to the device
-at step time, as the pre-training worker does with ``use_gpu``); each block's time ends with the GPU's last kernel.
+``--device cuda``: both models train on the GPU, each step's images copied from pinned host memory at step time
+(the pipeline pins what it decodes, as the pre-training worker does with ``use_gpu``; the in-memory side pins
+each step's gather: a copy from pageable memory would make the CPU wait for the GPU at every step); each block's
+time ends with the GPU's last kernel.
 """
 
 from __future__ import annotations
@@ -73,8 +75,6 @@ def bench_train(*, preset: str, img_size: int | None, batch: int, images: int, s
             started = time.perf_counter()
             memory = partition.pixels(torch.arange(len(partition)))  # memory: [N, 3, S, S] uint8
             loader_rate = len(partition) / (time.perf_counter() - started)
-            if device == "cuda":
-                memory = memory.pin_memory()
             rates = _interleaved(config, partition, memory, batch=batch, steps=steps, rounds=rounds, warmup=warmup,
                                  decode_workers=decode_workers, decode_mode=decode_mode, ahead=ahead,
                                  precision=precision, seed=seed, device=torch.device(device))
@@ -120,7 +120,8 @@ def _interleaved(config: Any, partition: Any, memory: Any, *, batch: int, steps:
     pipeline = shards.prefetch(partition.pixels, ahead=ahead, workers=decode_workers, mode=decode_mode,
                                pin_memory=device.type == "cuda")
     pipeline.load_state_dict(in_memory.sampler.state_dict())  # the same Poisson samples on both sides
-    sources = {"in_memory": (in_memory, lambda local: memory[local]), "shards": (shards, pipeline.pixels)}
+    gather = (lambda local: memory[local].pin_memory()) if device.type == "cuda" else (lambda local: memory[local])
+    sources = {"in_memory": (in_memory, gather), "shards": (shards, pipeline.pixels)}
     totals = {name: [0, 0.0] for name in sources}
     for attempt in range(rounds):
         for name, (step, pixels) in sources.items():

@@ -34,6 +34,7 @@ def _register_dp_step(benchmarks: Any) -> None:
     parser.add_argument("--threads", type=count(0), default=1,
                         help="torch CPU threads (default: 1, steady on a shared machine); 0 keeps torch's default")
     parser.add_argument("--no-opacus", action="store_true", help="skip the two opacus modes")
+    parser.add_argument("--no-secure", action="store_true", help="skip the secure-mode private step")
     add_precision(parser)
     add_device(parser)
     parser.add_argument("--seed", type=int, default=0)
@@ -122,7 +123,8 @@ def handle_dp_step(args: argparse.Namespace) -> int:
 
     result = bench_dp_step(preset=args.preset, img_size=args.img_size, batch=args.batch, repeats=args.repeats,
                            warmup=args.warmup, threads=args.threads, opacus=not args.no_opacus, seed=args.seed,
-                           precision=args.precision, microbatches=args.microbatches, device=args.device)
+                           precision=args.precision, microbatches=args.microbatches, device=args.device,
+                           secure=not args.no_secure)
     return _report(args, result, [f"{key:>28}: {value}" for key, value in result.items()])
 
 

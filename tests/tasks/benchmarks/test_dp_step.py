@@ -41,6 +41,14 @@ def test_bench_dp_step_times_a_logical_step_of_several_microbatches_phase_by_pha
     assert all(seconds > 0 for mode in result["phases_s"].values() for seconds in mode.values())
 
 
+def test_bench_without_the_secure_mode_times_the_others(capsys):
+    code = main(["bench", "dp-step", "--json", "--batch", "4", "--repeats", "1", "--warmup", "0", "--no-opacus",
+                 "--no-secure"])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    assert "dp_secure_ratio" not in result and "opacus_ghost_ratio" not in result and result["dp_ratio"] > 0
+
+
 def test_bench_refuses_microbatches_with_the_opacus_modes(capsys):
     assert main(["bench", "dp-step", "--json", "--microbatches", "2"]) == 2
     assert "--no-opacus" in capsys.readouterr().err
@@ -68,8 +76,9 @@ def test_bench_dp_step_on_cuda_times_the_gpu_steps_and_names_their_kernels(capsy
     for key in KEYS:
         assert isinstance(result[key], float) and result[key] >= 0, key
     for mode in ("nonprivate", "dp"):
-        kernels = result["kernels_s"][mode]
+        kernels = result["kernels_s"][mode]["kernels"]
         assert kernels["all"] > 0 and sum(v for k, v in kernels.items() if k != "all") <= kernels["all"] + 1e-9
+        assert "forward" in result["kernels_s"][mode]["ranges"]
     assert result["max_abs_err_vs_naive"] < 1e-5
 
 
