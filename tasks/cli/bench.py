@@ -89,7 +89,8 @@ def _register_train(benchmarks: Any) -> None:
     parser.add_argument("--source-side", type=count(1), default=256,
                         help="side of the stored JPEGs in pixels (default: 256)")
     parser.add_argument("--steps", type=count(1), default=6, help="timed steps per block (default: 6)")
-    parser.add_argument("--rounds", type=count(1), default=3, help="blocks of each side, alternating (default: 3)")
+    parser.add_argument("--rounds", type=count(1), default=4,
+                        help="blocks of each side; the side going first alternates too (default: 4)")
     parser.add_argument("--warmup", type=count(0), default=2, help="untimed steps of each side first (default: 2)")
     parser.add_argument("--threads", type=count(0), default=1,
                         help="torch CPU threads (default: 1); 0 keeps torch's default")
