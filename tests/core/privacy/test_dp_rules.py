@@ -424,6 +424,31 @@ def test_rule_5_a_step_under_an_enclosing_autocast_keeps_the_sensitivity_c():
         assert float((everyone - neighbour).norm()) <= clip * (1 + 1e-4), f"without sample {left_out}"
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_rule_5_on_cuda_under_bf16_removing_a_sample_moves_the_clipped_sum_by_at_most_c():
+    # On a GPU, bf16 kernels chosen by shape could make a sample's gradient depend on its microbatch: removing
+    # one sample would then move the others' clipped gradients too. Every sample is clipped to C here.
+    torch.manual_seed(0)
+    device, clip, batch = torch.device("cuda"), 1e-4, 16
+    mae = build_mae(get_preset("tiny").model).to(device)
+    imgs, noise = torch.randn(batch, 3, 32, 32, device=device), torch.rand(batch, 64, device=device)
+
+    def clipped_sum(indices):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            privatized_gradients(mae, lambda model, i: model(imgs[i], noise=noise[i])[0], indices,
+                                 max_grad_norm=clip, noise_multiplier=0.0, expected_batch_size=1.0,
+                                 physical_batch_size=8)
+        return torch.cat([p.grad.reshape(-1).double() for p in mae.parameters() if p.requires_grad])
+
+    everyone = clipped_sum(torch.arange(batch, device=device))
+    for left_out in range(batch):
+        neighbour = clipped_sum(torch.tensor([i for i in range(batch) if i != left_out], device=device))
+        alone = clipped_sum(torch.tensor([left_out], device=device))
+        assert float((everyone - neighbour).norm()) <= clip * (1 + 1e-4), f"without sample {left_out}"
+        assert float((everyone - neighbour - alone).norm()) <= clip * 1e-4, f"the others moved without {left_out}"
+
+
 # ------------------------------------------------------------------------------------------------ rule 6
 
 
