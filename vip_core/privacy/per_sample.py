@@ -191,28 +191,33 @@ class MatmulRule(Rule):
         self.materialise: bool | None = None
 
     def record_tokens(self, acts: torch.Tensor, grads: torch.Tensor) -> None:
-        """acts: [B, g, T, d_in]; grads: [B, g, T, d_out]."""
+        """acts: [B, g, T, d_in]; grads: [B, g, T, d_out]. Kept for the ghost norm in their own dtype (bfloat16
+        under autocast: half the memory of a float32 copy, and often the very tensor autograd saved) and cast to
+        float32 (exactly) where they are used, so the norms and sums see the same values either way."""
         dtype = _compute_dtype(acts, grads)
         batch, groups, tokens = acts.shape[:3]
-        acts = acts.to(dtype).reshape(batch * groups, tokens, acts.shape[3])  # acts: [B*g, T, d_in]
-        grads = grads.to(dtype).reshape(batch * groups, tokens, grads.shape[3])  # grads: [B*g, T, d_out]
+        acts = acts.reshape(batch * groups, tokens, acts.shape[3])  # acts: [B*g, T, d_in]
+        grads = grads.reshape(batch * groups, tokens, grads.shape[3])  # grads: [B*g, T, d_out]
         if self.bias is not None:
-            self.accumulate(self.bias, grads.sum(1).reshape(batch, *self.bias.shape))  # [B, g*d_out]
+            self.accumulate(self.bias, grads.to(dtype).sum(1).reshape(batch, *self.bias.shape))  # [B, g*d_out]
         if self.weight is None:
             return
         if self.materialise is None:
             self.materialise = materialise_is_cheaper(tokens, acts.shape[2], grads.shape[2])
         if self.materialise:
-            per_sample = torch.bmm(grads.transpose(1, 2), acts)  # per_sample: [B*g, d_out, d_in]
+            per_sample = torch.bmm(grads.to(dtype).transpose(1, 2), acts.to(dtype))  # [B*g, d_out, d_in]
             self.accumulate(self.weight, per_sample.reshape(batch, *self.weight.shape))
         else:
             self.ghost_inputs.append(acts)
             self.ghost_grads.append(grads)
 
     def _ghost_pair(self) -> tuple[torch.Tensor, torch.Tensor]:
-        acts = torch.cat(self.ghost_inputs, dim=1) if len(self.ghost_inputs) > 1 else self.ghost_inputs[0]
-        grads = torch.cat(self.ghost_grads, dim=1) if len(self.ghost_grads) > 1 else self.ghost_grads[0]
-        return acts, grads  # acts: [B*g, T, d_in], grads: [B*g, T, d_out]
+        """The kept inputs and output gradients of every call, in the compute dtype (float32 at least)."""
+        dtype = _compute_dtype(*self.ghost_inputs, *self.ghost_grads)
+        acts, grads = [a.to(dtype) for a in self.ghost_inputs], [g.to(dtype) for g in self.ghost_grads]
+        acts = torch.cat(acts, dim=1) if len(acts) > 1 else acts[0]  # acts: [B*g, T, d_in]
+        grads = torch.cat(grads, dim=1) if len(grads) > 1 else grads[0]  # grads: [B*g, T, d_out]
+        return acts, grads
 
     def squared_norms(self, batch_size: int, device: torch.device) -> torch.Tensor:
         total = super().squared_norms(batch_size, device)

@@ -602,6 +602,29 @@ def test_bf16_autocast_gives_the_fp32_clipped_sum_within_bf16_precision():
     assert ((mixed - full).norm() / full.norm()).item() < 0.03
 
 
+@pytest.mark.parametrize("tokens", [3, 1])  # the ghost path, with Gram matrices and with 1 x 1 Grams
+def test_a_layer_keeps_bf16_tensors_as_they_are_and_clips_them_exactly_as_their_float32_values(tokens):
+    # Under autocast a Linear's input and output gradient are often bfloat16: kept as they are (not as float32
+    # copies, twice the memory), they must give bit-identical norms and clipped sums to the same values in float32.
+    torch.manual_seed(0)
+    layer, batch = nn.Linear(16, 12), 4
+    acts, grads = torch.randn(batch, 1, tokens, 16).bfloat16(), torch.randn(batch, 1, tokens, 12).bfloat16()
+    kept, reference = per_sample.LinearRule("layer", layer), per_sample.LinearRule("layer", layer)
+    kept.record_tokens(acts, grads)
+    kept.record_tokens(acts.flip(0), grads)  # a second call of the layer
+    reference.record_tokens(acts.float(), grads.float())
+    reference.record_tokens(acts.flip(0).float(), grads.float())
+    assert not kept.materialise and {t.dtype for t in kept.ghost_inputs + kept.ghost_grads} == {torch.bfloat16}
+    assert torch.equal(kept.squared_norms(batch, torch.device("cpu")),
+                       reference.squared_norms(batch, torch.device("cpu")))
+    factors, kept_sums, reference_sums = torch.rand(batch), {}, {}
+    kept.add_clipped_sum(factors, kept_sums)
+    reference.add_clipped_sum(factors, reference_sums)
+    assert kept_sums.keys() == reference_sums.keys() == {layer.weight, layer.bias}
+    assert all(torch.equal(kept_sums[p], reference_sums[p]) and kept_sums[p].dtype == torch.float32
+               for p in reference_sums)
+
+
 def test_layernorm_with_a_zero_scale_gives_the_exact_clipped_sum():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.Linear(6, 1))
