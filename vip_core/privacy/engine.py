@@ -24,7 +24,8 @@ silently when B = T: checked on the first microbatches of two or more samples un
 parameter was reached, each check one extra forward and two backward passes, so a loss function is called
 once more than there are microbatches then), batch normalisation in training mode (it mixes samples), a
 supported layer whose weight is also used outside its own forward (tied weights), an ``Embedding`` with
-``scale_grad_by_freq`` or ``sparse``, a layer input modified in place after the layer ran.
+``scale_grad_by_freq`` or ``sparse``, a layer input modified in place after the layer ran, a layer input or output
+gradient kept for the ghost norm and modified in place before the norms and the clipped sum use it.
 """
 
 from __future__ import annotations

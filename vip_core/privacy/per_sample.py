@@ -188,6 +188,7 @@ class MatmulRule(Rule):
         self.groups = getattr(module, "groups", 1)
         self.ghost_inputs: list[torch.Tensor] = []
         self.ghost_grads: list[torch.Tensor] = []
+        self.ghost_versions: list[tuple[int, int]] = []  # of each kept pair, checked where they are used
         self.materialise: bool | None = None
 
     def record_tokens(self, acts: torch.Tensor, grads: torch.Tensor) -> None:
@@ -210,9 +211,14 @@ class MatmulRule(Rule):
         else:
             self.ghost_inputs.append(acts)
             self.ghost_grads.append(grads)
+            self.ghost_versions.append((acts._version, grads._version))
 
     def _ghost_pair(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The kept inputs and output gradients of every call, in the compute dtype (float32 at least)."""
+        """The kept inputs and output gradients of every call, in the compute dtype (float32 at least), refused if
+        one was modified in place after it was kept (the norms and the sum must see the values recorded)."""
+        if [(a._version, g._version) for a, g in zip(self.ghost_inputs, self.ghost_grads)] != self.ghost_versions:
+            raise RuntimeError(f"the input or output gradient of layer '{self.name}' was modified in place after the "
+                               "backward reached the layer; per-sample norms and clipped sums need them unchanged")
         dtype = _compute_dtype(*self.ghost_inputs, *self.ghost_grads)
         acts, grads = [a.to(dtype) for a in self.ghost_inputs], [g.to(dtype) for g in self.ghost_grads]
         acts = torch.cat(acts, dim=1) if len(acts) > 1 else acts[0]  # acts: [B*g, T, d_in]
@@ -256,6 +262,7 @@ class MatmulRule(Rule):
         keep = keep.repeat_interleave(self.groups)
         self.ghost_inputs = [_zero_rows(a, keep) for a in self.ghost_inputs]
         self.ghost_grads = [_zero_rows(g, keep) for g in self.ghost_grads]
+        self.ghost_versions = [(a._version, g._version) for a, g in zip(self.ghost_inputs, self.ghost_grads)]
 
 
 class LinearRule(MatmulRule):

@@ -431,6 +431,38 @@ def test_unsupported_layers_raise_an_error_naming_them(model, inputs, named):
                              noise=RandomStream(1, 0, "noise"))
 
 
+class ScalesItsGradientInPlace(torch.autograd.Function):
+    """Identity whose backward edits the gradient it receives in place (which PyTorch forbids)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.mul_(10)
+
+
+class GradientEditedAfterTheLayer(nn.Module):
+    """``lin``'s output gradient is also the gradient ``ScalesItsGradientInPlace`` edits, after the backward has
+    reached ``lin`` (it was created first, so autograd runs it later)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+        self.offset = nn.Parameter(torch.zeros(1, 1, 32))
+
+    def forward(self, x):  # x: [B, T, 32]
+        edited = ScalesItsGradientInPlace.apply(x + self.offset)
+        return (self.lin(x) + edited).square().mean((1, 2))  # [B]
+
+
+def test_an_output_gradient_edited_in_place_after_the_layer_kept_it_is_refused_by_name():
+    with pytest.raises(RuntimeError, match="output gradient of layer 'lin' was modified in place"):
+        privatized_gradients(GradientEditedAfterTheLayer(), lambda m, x: m(x), torch.randn(6, 4, 32),
+                             max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=1.0)
+
+
 def test_noise_without_a_stream_is_refused():
     with pytest.raises(ValueError, match="noise stream"):
         privatized_gradients(nn.Linear(2, 1), lambda m, x: m(x).sum(-1), torch.randn(2, 2), max_grad_norm=1.0,
