@@ -270,6 +270,7 @@ def test_unknown_purposes_and_modes_are_refused():
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_device_noise_is_keyed_by_the_stream_and_has_the_asked_standard_deviation():
     device = torch.device("cuda")
     seed = private_entropy()
