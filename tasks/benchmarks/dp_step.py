@@ -72,16 +72,17 @@ def bench_dp_step(
         raise ValueError("--microbatches above 1 times this engine and the non-private step only: add --no-opacus")
     import torch
 
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: torch sees no CUDA device here")
+    from tasks.benchmarks.device import bench_device
+
+    where = bench_device(device)
     previous_threads = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Full backward hook", category=UserWarning)
-            return _bench(preset, img_size, batch, repeats, warmup, opacus, seed, precision, microbatches,
-                          torch.device(device), secure)
+            return _bench(preset, img_size, batch, repeats, warmup, opacus, seed, precision, microbatches, where,
+                          secure)
     finally:
         torch.set_num_threads(previous_threads)
 
@@ -183,17 +184,17 @@ def _step_functions(config: Any, images: Any, batch: int, opacus: bool, precisio
         steps["opacus_ghost"] = _opacus_step(base, images, forward, ghost=True)
         steps["opacus_hooks"] = _opacus_step(base, images, forward, ghost=False)
     if images.device.type == "cuda":
-        steps = {name: (_synchronized(step), held) for name, (step, held) in steps.items()}
+        steps = {name: (_synchronized(step, images.device), held) for name, (step, held) in steps.items()}
     return steps
 
 
-def _synchronized(step: Callable[[], None]) -> Callable[[], None]:
+def _synchronized(step: Callable[[], None], device: Any) -> Callable[[], None]:
     """``step`` that returns once the GPU has run every kernel it launched (a step's time is its kernels')."""
-    import torch
+    from tasks.benchmarks.device import finish
 
     def run() -> None:
         step()
-        torch.cuda.synchronize()
+        finish(device)
 
     return run
 
@@ -383,10 +384,11 @@ def _kernel_seconds(step: Callable[[], None]) -> dict[str, dict[str, float]]:
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
         step()
-    on_device = [e for e in profiler.key_averages() if e.device_type == DeviceType.CUDA]
-    ranges = [e for e in on_device if getattr(e, "is_user_annotation", False)]
-    kernels = sorted((e for e in on_device if not getattr(e, "is_user_annotation", False)),
-                     key=lambda e: e.self_device_time_total, reverse=True)
+    ranges, kernels = [], []
+    for event in profiler.key_averages():
+        if event.device_type == DeviceType.CUDA:
+            (ranges if getattr(event, "is_user_annotation", False) else kernels).append(event)
+    kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
     seconds = {e.key[:80]: e.self_device_time_total / 1e6 for e in kernels[:TOP_KERNELS]}
     seconds["all"] = sum(e.self_device_time_total for e in kernels) / 1e6
     spans = {e.key.removeprefix("vip."): e.device_time_total / 1e6 for e in ranges if e.key.startswith("vip.")}

@@ -52,14 +52,13 @@ def bench_train(*, preset: str, img_size: int | None, batch: int, images: int, s
     """Images/s of the DP step from shards and from memory, and of the loader alone; see the module."""
     import torch
 
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: torch sees no CUDA device here")
-
+    from tasks.benchmarks.device import bench_device
     from vip_core.config import get_preset, with_overrides
     from vip_core.train.data import ShardPartition, measure_shards
     from vip_core.train.pipeline import DECODE_MODE
     from vip_core.train.pipeline import decode_workers as default_decode_workers
 
+    where = bench_device(device)
     if batch > images:
         raise ValueError(f"--batch {batch} exceeds the {images} images")
     config = get_preset(preset)
@@ -80,7 +79,7 @@ def bench_train(*, preset: str, img_size: int | None, batch: int, images: int, s
             loader_rate = len(partition) / (time.perf_counter() - started)
             rates = _interleaved(config, partition, memory, batch=batch, steps=steps, rounds=rounds, warmup=warmup,
                                  decode_workers=decode_workers, decode_mode=decode_mode, ahead=ahead,
-                                 precision=precision, seed=seed, device=torch.device(device))
+                                 precision=precision, seed=seed, device=where)
         used_threads = torch.get_num_threads()
     finally:
         torch.set_num_threads(previous_threads)
@@ -115,6 +114,7 @@ def _interleaved(config: Any, partition: Any, memory: Any, *, batch: int, steps:
     """Images/s of each side over all its timed blocks."""
     import torch
 
+    from tasks.benchmarks.device import finish
     from vip_core.models.mae import build_mae
 
     torch.manual_seed(seed)
@@ -131,10 +131,10 @@ def _interleaved(config: Any, partition: Any, memory: Any, *, batch: int, steps:
             # untimed: the warm-up, then each block's first ahead + 1 steps (the pipeline starts cold once per
             # run, and at every block here; the timed steps' samples are all drawn while steps run)
             _block(step, pixels, precision, (warmup if attempt == 0 else 0) + ahead + 1)
-            _finish(device)
+            finish(device)
             started = time.perf_counter()
             totals[name][0] += _block(step, pixels, precision, steps)
-            _finish(device)
+            finish(device)
             totals[name][1] += time.perf_counter() - started
             if name == "shards":
                 pipeline.load_state_dict(pipeline.state_dict())  # the next block starts cold
@@ -147,14 +147,6 @@ def _ordered(sources: dict[str, Any], attempt: int) -> list[tuple[str, Any]]:
     same samples, and on a GPU the first step at a new sample size also pays for its kernel plans)."""
     sides = list(sources.items())
     return sides if attempt % 2 == 0 else sides[::-1]
-
-
-def _finish(device: Any) -> None:
-    """Waits for the GPU's kernels, if the steps run on one."""
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _private_step(base: Any, config: Any, dataset_size: int, batch: int) -> Any:

@@ -404,20 +404,26 @@ def test_rule_5_the_optimiser_trains_every_trainable_parameter():
                     param_groups=[{"params": list(model[0].parameters())}])
 
 
+def autocast_clipped_sums(mae, imgs, noise, clip, *, physical):
+    """``clipped_sum(indices)``: the engine's clipped sum (noise off) of samples ``indices`` of ``imgs`` with their
+    masking ``noise``, the whole step under bf16 autocast on ``imgs``' device, flat in float64."""
+
+    def clipped_sum(indices):
+        with torch.autocast(imgs.device.type, dtype=torch.bfloat16):
+            privatized_gradients(mae, lambda model, i: model(imgs[i], noise=noise[i])[0], indices,
+                                 max_grad_norm=clip, noise_multiplier=0.0, expected_batch_size=1.0,
+                                 physical_batch_size=physical)
+        return torch.cat([p.grad.reshape(-1).double() for p in mae.parameters() if p.requires_grad])
+
+    return clipped_sum
+
+
 def test_rule_5_a_step_under_an_enclosing_autocast_keeps_the_sensitivity_c():
     # A caller may wrap the whole step in bf16 autocast, not only its forward: the per-sample norms and the
     # clipped sums must still be float32, or removing one sample can move the clipped sum by more than C.
     torch.manual_seed(0)
     mae, clip = build_mae(get_preset("tiny").model), 1e-3
-    imgs, noise = torch.randn(8, 3, 32, 32), torch.rand(8, 64)
-
-    def clipped_sum(indices):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            privatized_gradients(mae, lambda model, i: model(imgs[i], noise=noise[i])[0], indices,
-                                 max_grad_norm=clip, noise_multiplier=0.0, expected_batch_size=1.0,
-                                 physical_batch_size=4)
-        return torch.cat([p.grad.reshape(-1).double() for p in mae.parameters() if p.requires_grad])
-
+    clipped_sum = autocast_clipped_sums(mae, torch.randn(8, 3, 32, 32), torch.rand(8, 64), clip, physical=4)
     everyone = clipped_sum(torch.arange(8))
     for left_out in range(8):
         neighbour = clipped_sum(torch.tensor([i for i in range(8) if i != left_out]))
@@ -433,14 +439,7 @@ def test_rule_5_on_cuda_under_bf16_removing_a_sample_moves_the_clipped_sum_by_at
     device, clip, batch = torch.device("cuda"), 1e-4, 16
     mae = build_mae(get_preset("tiny").model).to(device)
     imgs, noise = torch.randn(batch, 3, 32, 32, device=device), torch.rand(batch, 64, device=device)
-
-    def clipped_sum(indices):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            privatized_gradients(mae, lambda model, i: model(imgs[i], noise=noise[i])[0], indices,
-                                 max_grad_norm=clip, noise_multiplier=0.0, expected_batch_size=1.0,
-                                 physical_batch_size=8)
-        return torch.cat([p.grad.reshape(-1).double() for p in mae.parameters() if p.requires_grad])
-
+    clipped_sum = autocast_clipped_sums(mae, imgs, noise, clip, physical=8)
     everyone = clipped_sum(torch.arange(batch, device=device))
     for left_out in range(batch):
         neighbour = clipped_sum(torch.tensor([i for i in range(batch) if i != left_out], device=device))
