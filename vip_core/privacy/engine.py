@@ -25,7 +25,8 @@ parameter was reached, each check one extra forward and two backward passes, so 
 once more than there are microbatches then), batch normalisation in training mode (it mixes samples), a
 supported layer whose weight is also used outside its own forward (tied weights), an ``Embedding`` with
 ``scale_grad_by_freq`` or ``sparse``, a layer input modified in place after the layer ran, a layer input or output
-gradient kept for the ghost norm and modified in place before the norms and the clipped sum use it.
+gradient kept for the norms (Linear, Conv2d, Embedding) and modified in place before the norms and the clipped
+sum use it.
 """
 
 from __future__ import annotations
@@ -554,6 +555,7 @@ def _add_microbatch(
         with record_function("vip.norms"):
             squared = torch.zeros(batch, device=device)
             for rule in rules:
+                rule.check_kept()
                 squared += rule.squared_norms(batch, device).to(device)
             factors, finite = clip_factors(squared, max_grad_norm)
             if not bool(finite.all()):
@@ -563,6 +565,7 @@ def _add_microbatch(
             noise.draw_all([param for rule in rules for param in rule.params])  # in the order settled below
             for rule in rules:
                 noise.settle(rule.params, sums)
+                rule.check_kept()
                 rule.add_clipped_sum(factors, sums)
     total.examples += batch
     total.loss_sum += losses.detach().float().sum()

@@ -141,6 +141,19 @@ class Rule:
         self.name = name
         self.params = params
         self.per_sample: dict[nn.Parameter, torch.Tensor] = {}
+        self.kept: list[tuple[torch.Tensor, int]] = []  # tensors kept for the norms and the sum, with their versions
+
+    def keep(self, *tensors: torch.Tensor) -> None:
+        """Remembers the versions of tensors kept from the backward until the norms and the clipped sum use them."""
+        self.kept.extend((tensor, tensor._version) for tensor in tensors)
+
+    def check_kept(self) -> None:
+        """Refuses, naming the layer, a kept tensor modified in place since it was kept: the norms and the clipped
+        sum must see the values the backward gave (a write that bypasses the version counter, through ``.data``
+        or another view of the storage, is not seen)."""
+        if any(tensor._version != version for tensor, version in self.kept):
+            raise RuntimeError(f"the input or output gradient of layer '{self.name}' was modified in place after the "
+                               "backward reached the layer; per-sample norms and clipped sums need them unchanged")
 
     def accumulate(self, param: nn.Parameter, grads: torch.Tensor) -> None:
         """Adds materialised per-sample gradients ``[B, *param.shape]`` (several calls of a layer add up)."""
@@ -188,7 +201,6 @@ class MatmulRule(Rule):
         self.groups = getattr(module, "groups", 1)
         self.ghost_inputs: list[torch.Tensor] = []
         self.ghost_grads: list[torch.Tensor] = []
-        self.ghost_versions: list[tuple[int, int]] = []  # of each kept pair, checked where they are used
         self.materialise: bool | None = None
 
     def record_tokens(self, acts: torch.Tensor, grads: torch.Tensor) -> None:
@@ -211,14 +223,10 @@ class MatmulRule(Rule):
         else:
             self.ghost_inputs.append(acts)
             self.ghost_grads.append(grads)
-            self.ghost_versions.append((acts._version, grads._version))
+            self.keep(acts, grads)
 
     def _ghost_pair(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The kept inputs and output gradients of every call, in the compute dtype (float32 at least), refused if
-        one was modified in place after it was kept (the norms and the sum must see the values recorded)."""
-        if [(a._version, g._version) for a, g in zip(self.ghost_inputs, self.ghost_grads)] != self.ghost_versions:
-            raise RuntimeError(f"the input or output gradient of layer '{self.name}' was modified in place after the "
-                               "backward reached the layer; per-sample norms and clipped sums need them unchanged")
+        """The kept inputs and output gradients of every call, in the compute dtype (float32 at least)."""
         dtype = _compute_dtype(*self.ghost_inputs, *self.ghost_grads)
         acts, grads = [a.to(dtype) for a in self.ghost_inputs], [g.to(dtype) for g in self.ghost_grads]
         acts = torch.cat(acts, dim=1) if len(acts) > 1 else acts[0]  # acts: [B*g, T, d_in]
@@ -262,7 +270,8 @@ class MatmulRule(Rule):
         keep = keep.repeat_interleave(self.groups)
         self.ghost_inputs = [_zero_rows(a, keep) for a in self.ghost_inputs]
         self.ghost_grads = [_zero_rows(g, keep) for g in self.ghost_grads]
-        self.ghost_versions = [(a._version, g._version) for a, g in zip(self.ghost_inputs, self.ghost_grads)]
+        self.kept = []
+        self.keep(*self.ghost_inputs, *self.ghost_grads)
 
 
 class LinearRule(MatmulRule):
@@ -362,6 +371,7 @@ class EmbeddingRule(Rule):
             grads = grads * (indices != self.module.padding_idx).unsqueeze(-1)
         self.indices.append(indices)
         self.grads.append(grads)
+        self.keep(indices, grads)
 
     def squared_norms(self, batch_size: int, device: torch.device) -> torch.Tensor:
         total = super().squared_norms(batch_size, device)
@@ -384,6 +394,8 @@ class EmbeddingRule(Rule):
 
     def zero_samples(self, keep: torch.Tensor) -> None:
         self.grads = [_zero_rows(g, keep) for g in self.grads]
+        self.kept = []
+        self.keep(*self.indices, *self.grads)
 
 
 class PlainRule(Rule):

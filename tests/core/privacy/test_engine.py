@@ -444,22 +444,25 @@ class ScalesItsGradientInPlace(torch.autograd.Function):
 
 
 class GradientEditedAfterTheLayer(nn.Module):
-    """``lin``'s output gradient is also the gradient ``ScalesItsGradientInPlace`` edits, after the backward has
-    reached ``lin`` (it was created first, so autograd runs it later)."""
+    """``layer``'s output gradient is also the gradient ``ScalesItsGradientInPlace`` edits, after the backward has
+    reached ``layer`` (it was created first, so autograd runs it later)."""
 
-    def __init__(self) -> None:
+    def __init__(self, layer: nn.Module) -> None:
         super().__init__()
-        self.lin = nn.Linear(32, 32)
+        self.layer = layer
         self.offset = nn.Parameter(torch.zeros(1, 1, 32))
 
-    def forward(self, x):  # x: [B, T, 32]
-        edited = ScalesItsGradientInPlace.apply(x + self.offset)
-        return (self.lin(x) + edited).square().mean((1, 2))  # [B]
+    def forward(self, x):  # x: [B, T, 32] floats or [B, T] indices
+        edited = ScalesItsGradientInPlace.apply(torch.zeros(*x.shape[:2], 32) + self.offset)
+        return (self.layer(x) + edited).square().mean((1, 2))  # [B]
 
 
-def test_an_output_gradient_edited_in_place_after_the_layer_kept_it_is_refused_by_name():
-    with pytest.raises(RuntimeError, match="output gradient of layer 'lin' was modified in place"):
-        privatized_gradients(GradientEditedAfterTheLayer(), lambda m, x: m(x), torch.randn(6, 4, 32),
+@pytest.mark.parametrize(("layer", "inputs"), [(nn.Linear(32, 32), torch.randn(6, 4, 32)),
+                                               (nn.Embedding(10, 32), torch.randint(0, 10, (6, 4)))],
+                         ids=["linear", "embedding"])
+def test_an_output_gradient_edited_in_place_after_the_layer_kept_it_is_refused_by_name(layer, inputs):
+    with pytest.raises(RuntimeError, match="output gradient of layer 'layer' was modified in place"):
+        privatized_gradients(GradientEditedAfterTheLayer(layer), lambda m, x: m(x), inputs,
                              max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=1.0)
 
 
