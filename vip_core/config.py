@@ -83,6 +83,10 @@ class ModelConfig(_Frozen):
         return (self.img_size // self.patch_size) ** 2
 
 
+TENSOR_CORE_SUMS_HELP = ("on CUDA, clipped sums of bfloat16 layers on tensor cores: faster at large batches, but "
+                         "their float32 accumulation is not IEEE (docs/privacy.md, Findings and caveats)")
+
+
 class PrivacyConfig(_Frozen):
     """DP-SGD settings for the private stage. σ is calibrated to ``target_epsilon`` unless given.
 
@@ -96,6 +100,7 @@ class PrivacyConfig(_Frozen):
     noise_multiplier: float | None = Field(None, description="None: calibrated by the accountant")
     accountant: Accountant = "pld"
     secure_mode: bool = Field(False, description="draw noise, samples and masks from the OS CSPRNG (slower)")
+    tensor_core_sums: bool = Field(False, description=TENSOR_CORE_SUMS_HELP)
     log_private_statistics: bool = Field(
         True, description="log the per-step loss and images/s of the private stage (computed from private data, "
                           "not privatized) to MLflow and result.json; off keeps them out of a shared server")
@@ -234,6 +239,7 @@ class FinetunePrivacyConfig(_Frozen):
     steps: int = Field(100, gt=0)
     accountant: Accountant = "pld"
     secure_mode: bool = Field(False, description="draw noise and samples from the OS CSPRNG (slower)")
+    tensor_core_sums: bool = Field(False, description=TENSOR_CORE_SUMS_HELP)
 
 
 class EvaluationConfig(_Frozen):

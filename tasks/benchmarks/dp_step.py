@@ -5,7 +5,9 @@ round, after warm-up (one torch thread by default, which keeps the figures stead
 ``nonprivate`` (forward, mean loss backward, AdamW), ``dp`` (this project's private step with q = 1:
 Poisson draw, masks and noise from 128-bit-keyed streams, per-sample clipping, DP-AdamW, ledger),
 ``dp_secure`` (the same in secure mode: every random number from the OS CSPRNG, four-draw Gaussian; skipped
-with ``--no-secure``),
+with ``--no-secure``), ``dp_tensor_cores`` (with ``--tensor-core-sums``: the same with ``privacy.tensor_core_sums``,
+the clipped sums of bfloat16 layers on tensor cores; a CUDA device under ``--precision bf16`` only, elsewhere it is
+``dp`` again),
 ``opacus_hooks`` and ``opacus_ghost`` (opacus 1.6.0 ``GradSampleModule`` + ``DPOptimizer``, and ghost
 clipping). ``--microbatches K`` makes a step a logical batch of K physical batches of ``--batch`` (the
 non-private step accumulates K backward passes; the private step sums K microbatches' clipped gradients),
@@ -65,6 +67,7 @@ NOISE_ROUNDS = 7  # timed, after one untimed round (the helpers' scratch memory 
 def bench_dp_step(
     *, preset: str, img_size: int, batch: int, repeats: int, warmup: int, threads: int, opacus: bool, seed: int,
     precision: str = "fp32", microbatches: int = 1, device: str = "cpu", secure: bool = True,
+    tensor_cores: bool = False,
 ) -> dict[str, Any]:
     """Times and measures every mode on the MAE of ``preset`` at ``img_size``, a logical step being
     ``microbatches`` physical batches of ``batch``; returns the figures."""
@@ -82,13 +85,13 @@ def bench_dp_step(
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Full backward hook", category=UserWarning)
             return _bench(preset, img_size, batch, repeats, warmup, opacus, seed, precision, microbatches, where,
-                          secure)
+                          secure, tensor_cores)
     finally:
         torch.set_num_threads(previous_threads)
 
 
 def _bench(preset: str, img_size: int, batch: int, repeats: int, warmup: int, opacus: bool, seed: int,
-           precision: str, microbatches: int, device: Any, secure: bool) -> dict[str, Any]:
+           precision: str, microbatches: int, device: Any, secure: bool, tensor_cores: bool) -> dict[str, Any]:
     import torch
 
     from vip_core.config import get_preset, with_overrides
@@ -100,7 +103,7 @@ def _bench(preset: str, img_size: int, batch: int, repeats: int, warmup: int, op
     config = with_overrides(config, {"model.img_size": img_size})
     torch.manual_seed(seed)
     images = torch.randn(microbatches * batch, 3, img_size, img_size)  # images: [K*B, 3, S, S]
-    steps = _step_functions(config, images.to(device), batch, opacus, precision, secure)
+    steps = _step_functions(config, images.to(device), batch, opacus, precision, secure, tensor_cores)
     seconds, cpu_seconds = _interleaved_medians(steps, repeats, warmup)
     peaks = {name: _peak_bytes(step, state) for name, (step, state) in steps.items()}
     phases = {name: (_kernel_seconds if device.type == "cuda" else _phase_medians)(steps[name][0])
@@ -115,7 +118,7 @@ def _bench(preset: str, img_size: int, batch: int, repeats: int, warmup: int, op
         "nonprivate_peak_mb": peaks["nonprivate"] / 2**20, "dp_peak_mb": peaks["dp"] / 2**20,
         "dp_peak_mem_ratio": peaks["dp"] / peaks["nonprivate"],
     }
-    for mode in ("dp_secure", "opacus_ghost", "opacus_hooks"):
+    for mode in ("dp_secure", "dp_tensor_cores", "opacus_ghost", "opacus_hooks"):
         if mode in seconds:
             result[f"{mode}_s"] = seconds[mode]
             result[f"{mode}_ratio"] = seconds[mode] / seconds["nonprivate"]
@@ -144,7 +147,7 @@ LR = 1e-4
 
 
 def _step_functions(config: Any, images: Any, batch: int, opacus: bool, precision: str,
-                    secure: bool) -> dict[str, tuple[Callable[[], None], list]]:
+                    secure: bool, tensor_cores: bool = False) -> dict[str, tuple[Callable[[], None], list]]:
     """``name -> (one optimiser step, tensors held between steps)`` for every mode, each on its own copy, with
     its forward in ``precision``."""
     from torch.profiler import record_function
@@ -180,6 +183,8 @@ def _step_functions(config: Any, images: Any, batch: int, opacus: bool, precisio
     steps["dp"] = _private_step(base, images, batch, forward, secure=False)
     if secure:
         steps["dp_secure"] = _private_step(base, images, batch, forward, secure=True)
+    if tensor_cores:
+        steps["dp_tensor_cores"] = _private_step(base, images, batch, forward, secure=False, tensor_core_sums=True)
     if opacus:
         steps["opacus_ghost"] = _opacus_step(base, images, forward, ghost=True)
         steps["opacus_hooks"] = _opacus_step(base, images, forward, ghost=False)
@@ -206,7 +211,7 @@ def _device_name(device: Any) -> str:
 
 
 def _private_step(base: Any, images: Any, physical: int, forward: Callable, *,
-                  secure: bool) -> tuple[Callable[[], None], list]:
+                  secure: bool, tensor_core_sums: bool = False) -> tuple[Callable[[], None], list]:
     """vip's private step (:class:`~vip_core.train.step.PrivateStep`) with q = 1, so that every image is in
     every step, in microbatches of ``physical``: Poisson draw, masks and noise from its random streams,
     clipping, DP-AdamW, ledger."""
@@ -218,7 +223,7 @@ def _private_step(base: Any, images: Any, physical: int, forward: Callable, *,
     model = copy.deepcopy(base)
     batch = images.shape[0]
     budget = PrivacyConfig(noise_multiplier=NOISE_MULTIPLIER, max_grad_norm=MAX_GRAD_NORM, target_epsilon=1e9,
-                           delta=1e-5, accountant="rdp", secure_mode=secure)
+                           delta=1e-5, accountant="rdp", secure_mode=secure, tensor_core_sums=tensor_core_sums)
     plan = plan_privacy(budget, dataset_size=batch, batch_size=batch, steps=10_000, fingerprint="bench")
     step = PrivateStep(model, plan, Schedule(peak_lr=LR, total_steps=10_000, kind="constant"),
                        physical_batch_size=physical)

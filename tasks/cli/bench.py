@@ -35,6 +35,8 @@ def _register_dp_step(benchmarks: Any) -> None:
                         help="torch CPU threads (default: 1, steady on a shared machine); 0 keeps torch's default")
     parser.add_argument("--no-opacus", action="store_true", help="skip the two opacus modes")
     parser.add_argument("--no-secure", action="store_true", help="skip the secure-mode private step")
+    parser.add_argument("--tensor-core-sums", action="store_true",
+                        help="also time the private step with privacy.tensor_core_sums (CUDA, bf16)")
     add_precision(parser)
     add_device(parser)
     parser.add_argument("--seed", type=int, default=0)
@@ -125,7 +127,7 @@ def handle_dp_step(args: argparse.Namespace) -> int:
     result = bench_dp_step(preset=args.preset, img_size=args.img_size, batch=args.batch, repeats=args.repeats,
                            warmup=args.warmup, threads=args.threads, opacus=not args.no_opacus, seed=args.seed,
                            precision=args.precision, microbatches=args.microbatches, device=args.device,
-                           secure=not args.no_secure)
+                           secure=not args.no_secure, tensor_cores=args.tensor_core_sums)
     return _report(args, result, [f"{key:>28}: {value}" for key, value in result.items()])
 
 

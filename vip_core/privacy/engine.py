@@ -91,6 +91,7 @@ def privatized_gradients(
     expected_batch_size: float,
     physical_batch_size: int | None = None,
     noise: RandomStream | None = None,
+    tensor_core_sums: bool = False,
 ) -> StepStats:
     """Sets ``.grad`` of every trainable parameter of ``model`` to the privatized mean gradient.
 
@@ -104,12 +105,15 @@ def privatized_gradients(
         expected_batch_size: the public expected logical batch size (q·N) the sum is divided by.
         physical_batch_size: microbatch size bounding memory; the whole batch at once when None.
         noise: the random stream of the noise; required when ``noise_multiplier`` > 0.
+        tensor_core_sums: on CUDA, the clipped sums of bfloat16 layers on tensor cores
+            (:func:`~vip_core.privacy.per_sample.splits_on_tensor_cores`).
 
     Returns:
         Monitoring statistics of the batch (not private).
     """
     _check_arguments(max_grad_norm, noise_multiplier, expected_batch_size, physical_batch_size)
-    clipped = ClippedGradientSum(model, max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier, noise=noise)
+    clipped = ClippedGradientSum(model, max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier, noise=noise,
+                                 tensor_core_sums=tensor_core_sums)
     clipped.add(loss_fn, inputs, physical_batch_size=physical_batch_size)
     return clipped.privatize(expected_batch_size=expected_batch_size)
 
@@ -134,13 +138,16 @@ class ClippedGradientSum:
         max_grad_norm: the clipping bound C.
         noise_multiplier: σ; the noise standard deviation is σC (0 on the ranks that add no noise).
         noise: the random stream of the noise; required when σ > 0.
+        tensor_core_sums: on CUDA, the clipped sums of bfloat16 layers on tensor cores
+            (:func:`~vip_core.privacy.per_sample.splits_on_tensor_cores`; ``docs/privacy.md`` says what it costs).
     """
 
     def __init__(self, model: nn.Module, *, max_grad_norm: float, noise_multiplier: float = 0.0,
-                 noise: RandomStream | None = None) -> None:
+                 noise: RandomStream | None = None, tensor_core_sums: bool = False) -> None:
         _check_arguments(max_grad_norm, noise_multiplier, 1.0, None)
         self.model = model
         self.max_grad_norm = max_grad_norm
+        self.tensor_core_sums = tensor_core_sums
         self.plan = plan_model(model)
         if noise_multiplier > 0 and noise is None:
             raise ValueError("noise_multiplier > 0 needs a noise stream (a RandomStream), never a default generator")
@@ -158,7 +165,7 @@ class ClippedGradientSum:
         with self._closed_on_error():
             for chunk in split_batch(inputs, physical_batch_size):
                 _add_microbatch(self.plan, self.model, loss_fn, chunk, self.max_grad_norm, self.sums, self.totals,
-                                self.noise)
+                                self.noise, self.tensor_core_sums)
 
     def privatize(self, *, expected_batch_size: float) -> StepStats:
         """Sets each trainable parameter's ``.grad`` to (sum + N(0, σ²C²I)) / expected_batch_size.
@@ -532,10 +539,10 @@ def _capture(output: torch.Tensor, anchor: torch.Tensor, module: nn.Module, rece
 
 def _add_microbatch(
     plan: ModelPlan, model: nn.Module, loss_fn: LossFn, inputs: Inputs, max_grad_norm: float, sums: Sums,
-    total: _Totals, noise: _StepNoise,
+    total: _Totals, noise: _StepNoise, tensor_core_sums: bool,
 ) -> None:
     """Adds the clipped per-sample gradients of one microbatch to ``sums`` (each parameter's entry starting from
-    its noise)."""
+    its noise), on tensor cores where ``tensor_core_sums`` allows."""
     batch = batch_size_of(inputs)
     device = plan.params[0].device if plan.params else torch.device("cpu")
     _verify_per_sample_layout(plan, model, loss_fn, inputs, batch)
@@ -566,7 +573,7 @@ def _add_microbatch(
             for rule in rules:
                 noise.settle(rule.params, sums)
                 rule.check_kept()
-                rule.add_clipped_sum(factors, sums)
+                rule.add_clipped_sum(factors, sums, tensor_cores=tensor_core_sums)
     total.examples += batch
     total.loss_sum += losses.detach().float().sum()
     total.clipped += ((squared.sqrt() > max_grad_norm) & finite).sum()

@@ -14,6 +14,10 @@ the clipped sum is then a weighted sum) or keep ``A`` and ``G`` and compute the 
 Materialising costs no more flops and no more memory exactly when ``d_in·d_out <= T·(d_in+d_out)``; the
 ghost norm is cheaper than materialising exactly when that fails, so one test decides both.
 Biases, LayerNorm affine parameters and plain parameters are always materialised (they are small).
+
+With ``tensor_cores`` (``privacy.tensor_core_sums``, off by default) a ghost clipped sum of bfloat16 tensors on CUDA
+runs on tensor cores (:func:`splits_on_tensor_cores`): the same exact products, accumulated in float32 that is
+not IEEE (``docs/privacy.md``, Findings and caveats). The norms stay IEEE float32 either way.
 """
 
 from __future__ import annotations
@@ -127,6 +131,49 @@ def _gamma(terms: int) -> float:
     return terms * _FLOAT32_UNIT_ROUNDOFF / (1 - terms * _FLOAT32_UNIT_ROUNDOFF)
 
 
+TENSOR_CORE_DEVICES = frozenset({"cuda"})  # devices with bfloat16 x bfloat16 -> float32 matmuls
+
+
+def splits_on_tensor_cores(scaled: list[torch.Tensor], other: list[torch.Tensor]) -> bool:
+    """Whether a ghost clipped sum asked to run on tensor cores can, as bfloat16 parts: on a device in
+    :data:`TENSOR_CORE_DEVICES`, with the operand that is not scaled bfloat16 (so exact as it is) and the scaled one
+    bfloat16 or float32 (scaled in float32, then split exactly by :func:`bfloat16_parts`)."""
+    return (all(t.dtype == torch.bfloat16 for t in other)
+            and all(t.dtype in (torch.bfloat16, torch.float32) for t in scaled)
+            and all(t.device.type in TENSOR_CORE_DEVICES for t in scaled + other))
+
+
+def _joined(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """The kept ``[B*g, T, d]`` tensors of a layer's calls, in ``dtype``, joined along the tokens."""
+    tensors = [t.to(dtype) for t in tensors]
+    return torch.cat(tensors, dim=1) if len(tensors) > 1 else tensors[0]
+
+
+def bfloat16_parts(values: torch.Tensor) -> list[torch.Tensor]:
+    """Three bfloat16 tensors, largest first, whose sum is exactly ``values`` (float32): each part rounds (to
+    nearest) what the parts before it left, and a float32 significand (24 bits) is three bfloat16 ones (8 bits),
+    so the last rest is exact. bfloat16 has float32's exponent range; only an entry below about 2^-103 can lose
+    its last part where subnormal bfloat16 inputs are flushed to zero (the floating-point caveat of
+    ``docs/privacy.md``)."""
+    high = values.to(torch.bfloat16)
+    rest = values - high  # exact in float32: at most 16 significant bits
+    middle = rest.to(torch.bfloat16)
+    low = (rest - middle).to(torch.bfloat16)  # exact: at most 8 significant bits
+    return [high, middle, low]
+
+
+def add_float32_product(total: torch.Tensor | None, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """``total + left @ right`` in float32 from bfloat16 ``left`` [m, k] and ``right`` [k, n] (``left @ right`` when
+    ``total`` is None): on CUDA one tensor-core matmul (exact products, float32 accumulation and output);
+    elsewhere a float32 matmul of exact float32 copies."""
+    if left.device.type == "cuda":
+        if total is None:
+            return torch.mm(left, right, out_dtype=torch.float32)
+        return torch.addmm(total, left, right, out_dtype=torch.float32)
+    product = torch.mm(left.float(), right.float())  # [m, n]
+    return product if total is None else total.add_(product)
+
+
 class Rule:
     """Per-sample gradient bookkeeping for the parameters of one layer over one microbatch.
 
@@ -170,8 +217,9 @@ class Rule:
             total += torch.linalg.vecdot(flat, flat).float()
         return total
 
-    def add_clipped_sum(self, factors: torch.Tensor, sums: Sums) -> None:
-        """Adds ``Σᵢ factorsᵢ · gᵢ`` to ``sums`` for each parameter of this rule."""
+    def add_clipped_sum(self, factors: torch.Tensor, sums: Sums, *, tensor_cores: bool = False) -> None:
+        """Adds ``Σᵢ factorsᵢ · gᵢ`` to ``sums`` for each parameter of this rule (on tensor cores where
+        ``tensor_cores`` is set and the rule can: :class:`MatmulRule`)."""
         for param, grads in self.per_sample.items():
             _add_weighted(sums, param, factors, grads)
 
@@ -228,10 +276,7 @@ class MatmulRule(Rule):
     def _ghost_pair(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The kept inputs and output gradients of every call, in the compute dtype (float32 at least)."""
         dtype = _compute_dtype(*self.ghost_inputs, *self.ghost_grads)
-        acts, grads = [a.to(dtype) for a in self.ghost_inputs], [g.to(dtype) for g in self.ghost_grads]
-        acts = torch.cat(acts, dim=1) if len(acts) > 1 else acts[0]  # acts: [B*g, T, d_in]
-        grads = torch.cat(grads, dim=1) if len(grads) > 1 else grads[0]  # grads: [B*g, T, d_out]
-        return acts, grads
+        return _joined(self.ghost_inputs, dtype), _joined(self.ghost_grads, dtype)
 
     def squared_norms(self, batch_size: int, device: torch.device) -> torch.Tensor:
         total = super().squared_norms(batch_size, device)
@@ -247,14 +292,17 @@ class MatmulRule(Rule):
             total += ghost.view(batch_size, -1).sum(1).float()
         return total
 
-    def add_clipped_sum(self, factors: torch.Tensor, sums: Sums) -> None:
+    def add_clipped_sum(self, factors: torch.Tensor, sums: Sums, *, tensor_cores: bool = False) -> None:
         super().add_clipped_sum(factors, sums)
         if not self.ghost_inputs:
+            return
+        if tensor_cores and self.groups == 1 and self._splits():
+            self._add_split_clipped_sum(factors, sums)
             return
         acts, grads = self._ghost_pair()
         groups, d_in, d_out = self.groups, acts.shape[2], grads.shape[2]
         factors = factors.to(grads.dtype).repeat_interleave(groups).view(-1, 1, 1)  # [B*g, 1, 1]
-        if d_in <= d_out:  # scale the smaller operand
+        if self._scales_inputs():
             acts = acts * factors
         else:
             grads = grads * factors
@@ -264,6 +312,36 @@ class MatmulRule(Rule):
         grads = grads.view(-1, groups, grads.shape[1], d_out).transpose(0, 1).reshape(groups, -1, d_out)
         acts = acts.view(-1, groups, acts.shape[1], d_in).transpose(0, 1).reshape(groups, -1, d_in)
         add_to_sum(sums, self.weight, torch.bmm(grads.transpose(1, 2), acts))  # [g, d_out, d_in]
+
+    def _scales_inputs(self) -> bool:
+        """Whether the clipped sum scales the inputs (the smaller operand) rather than the output gradients."""
+        return self.ghost_inputs[0].shape[-1] <= self.ghost_grads[0].shape[-1]
+
+    def _splits(self) -> bool:
+        """Whether the clipped sum runs on tensor cores (:func:`splits_on_tensor_cores`)."""
+        if self._scales_inputs():
+            return splits_on_tensor_cores(self.ghost_inputs, self.ghost_grads)
+        return splits_on_tensor_cores(self.ghost_grads, self.ghost_inputs)
+
+    def _add_split_clipped_sum(self, factors: torch.Tensor, sums: Sums) -> None:
+        """The weight's clipped sum on tensor cores: the scaled operand (float32, the very values the float32 path
+        multiplies) as three bfloat16 parts that add up to it exactly, each part's product with the other operand
+        (bfloat16, exact) summed in float32."""
+        factors = factors.float().view(-1, 1, 1)  # [B, 1, 1]
+        total = None
+        if self._scales_inputs():
+            grads = _joined(self.ghost_grads, torch.bfloat16)  # grads: [B, T, d_out]
+            acts = _joined(self.ghost_inputs, torch.float32) * factors  # acts: [B, T, d_in], scaled
+            left = grads.reshape(-1, grads.shape[2]).t()  # [d_out, B*T]
+            for part in reversed(bfloat16_parts(acts)):  # the smallest part first
+                total = add_float32_product(total, left, part.reshape(-1, acts.shape[2]))  # [d_out, d_in]
+        else:
+            acts = _joined(self.ghost_inputs, torch.bfloat16)  # acts: [B, T, d_in]
+            grads = _joined(self.ghost_grads, torch.float32) * factors  # grads: [B, T, d_out], scaled
+            right = acts.reshape(-1, acts.shape[2])  # [B*T, d_in]
+            for part in reversed(bfloat16_parts(grads)):
+                total = add_float32_product(total, part.reshape(-1, grads.shape[2]).t(), right)  # [d_out, d_in]
+        add_to_sum(sums, self.weight, total)
 
     def zero_samples(self, keep: torch.Tensor) -> None:
         super().zero_samples(keep)
@@ -383,9 +461,10 @@ class EmbeddingRule(Rule):
             total += (squared + gram_error_bound(None, grads, grads.shape[2])).float()
         return total
 
-    def add_clipped_sum(self, factors: torch.Tensor, sums: Sums) -> None:
-        """In float64: a sample's many tokens on one row, summed in float32, could lose more than its norm's
-        rounding bound allows (each small term swallowed by a large partial sum that later cancels)."""
+    def add_clipped_sum(self, factors: torch.Tensor, sums: Sums, *, tensor_cores: bool = False) -> None:
+        """In float64, whatever ``tensor_cores`` says: a sample's many tokens on one row, summed in float32, could
+        lose more than its norm's rounding bound allows (each small term swallowed by a large partial sum that later
+        cancels)."""
         for indices, grads in zip(self.indices, self.grads):
             scaled = grads.double() * factors.double().view(-1, 1, 1)  # scaled: [B, T, D]
             rows = torch.zeros(self.weight.shape, dtype=torch.float64, device=grads.device)

@@ -38,6 +38,7 @@ class PrivacyBudget(Protocol):
     noise_multiplier: float | None
     accountant: str
     secure_mode: bool
+    tensor_core_sums: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +60,8 @@ class PrivacyPlan:
         accountant: the accountant's name.
         secure_mode: draw every random number from the OS CSPRNG (see :mod:`vip_core.privacy.randomness`).
         prior: the charges of the data set's other runs, composed into ε.
+        tensor_core_sums: on CUDA, clipped sums of bfloat16 layers on tensor cores (see
+            :func:`vip_core.privacy.per_sample.splits_on_tensor_cores`); not part of the accounting.
     """
 
     dataset_size: int
@@ -75,6 +78,7 @@ class PrivacyPlan:
     accountant: str
     secure_mode: bool
     prior: tuple[Charge, ...] = ()
+    tensor_core_sums: bool = False
 
     def ledger(self, earlier_runs: int = 0) -> PrivacyLedger:
         """A fresh ledger for run ``earlier_runs`` of this plan (the earlier ones count as taken)."""
@@ -178,7 +182,7 @@ def plan_privacy(
         dataset_size=dataset_size, fingerprint=fingerprint, batch_size=batch_size, sample_rate=sample_rate,
         steps=steps, runs=runs, delta=delta, noise_multiplier=float(sigma), max_grad_norm=budget.max_grad_norm,
         target_epsilon=budget.target_epsilon, epsilon=epsilon, accountant=budget.accountant,
-        secure_mode=budget.secure_mode, prior=tuple(prior),
+        secure_mode=budget.secure_mode, prior=tuple(prior), tensor_core_sums=budget.tensor_core_sums,
     )
 
 

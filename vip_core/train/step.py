@@ -212,7 +212,8 @@ class PrivateStep(TrainingStep):
     def _gradients(self, inputs: Inputs, loss_fn: LossFn) -> tuple[float, float]:
         """Σ clip(gᵢ, C) of this rank's samples, plus (rank 0 only) the noise, over B; summed over ranks."""
         clipped = ClippedGradientSum(self.model, max_grad_norm=self.plan.max_grad_norm,
-                                     noise_multiplier=self.noise_multiplier, noise=self.streams.noise)
+                                     noise_multiplier=self.noise_multiplier, noise=self.streams.noise,
+                                     tensor_core_sums=self.plan.tensor_core_sums)
         clipped.add(loss_fn, inputs, physical_batch_size=self.physical_batch_size)
         stats = clipped.privatize(expected_batch_size=self.plan.batch_size)
         all_reduce_gradients(trainable_parameters(self.model))

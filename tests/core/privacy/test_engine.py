@@ -270,9 +270,9 @@ def test_the_noise_is_drawn_during_the_backward_only_on_cores_torch_leaves_idle(
     drawn_before_sums = []
     clipped_sum = per_sample.MatmulRule.add_clipped_sum
 
-    def spy_sum(rule, factors, sums):
+    def spy_sum(rule, factors, sums, **options):
         drawn_before_sums.append(all(f.done() for _, futures in clipped.noise.pending.values() for f in futures))
-        return clipped_sum(rule, factors, sums)
+        return clipped_sum(rule, factors, sums, **options)
 
     monkeypatch.setattr(per_sample.MatmulRule, "add_clipped_sum", spy_sum)
     previous = torch.get_num_threads()
@@ -658,6 +658,75 @@ def test_a_layer_keeps_bf16_tensors_as_they_are_and_clips_them_exactly_as_their_
     assert kept_sums.keys() == reference_sums.keys() == {layer.weight, layer.bias}
     assert all(torch.equal(kept_sums[p], reference_sums[p]) and kept_sums[p].dtype == torch.float32
                for p in reference_sums)
+
+
+def test_bfloat16_parts_add_up_exactly_to_their_float32_values():
+    # The tensor-core clipped sum multiplies the three parts instead of the scaled float32 operand: a part that
+    # lost a bit would change a sample's clipped contribution beyond what its norm bounds.
+    torch.manual_seed(0)
+    exponents = torch.randint(-100, 120, (100_000,)).float()
+    values = torch.randn(100_000) * torch.exp2(exponents)  # float32 of every size bfloat16 parts keep exactly
+    values[:4] = torch.tensor([1.9999999, -1.9999999, 3.0000002, 2.0**-100 * 1.9999999])  # high rounds up a binade
+    parts = per_sample.bfloat16_parts(values)
+    assert [p.dtype for p in parts] == [torch.bfloat16] * 3
+    assert torch.equal(parts[0], values.bfloat16())
+    assert torch.equal(sum(p.double() for p in parts), values.double())
+
+
+def split_and_float32_sums(monkeypatch, d_in, d_out, act_dtype, tokens=5, batch=6):
+    """The clipped sums of one layer's inputs (``act_dtype``) and bfloat16 output gradients, split into bfloat16
+    parts (the tensor-core path, run on the CPU) and in float32: ``(split, float32)``."""
+    torch.manual_seed(0)
+    layer = nn.Linear(d_in, d_out, bias=False)
+    acts, grads = torch.randn(batch, 1, tokens, d_in).to(act_dtype), torch.randn(batch, 1, tokens, d_out).bfloat16()
+    factors = torch.rand(batch)
+    sums = {}
+    monkeypatch.setattr(per_sample, "TENSOR_CORE_DEVICES", frozenset({"cpu"}))
+    for split in (True, False):
+        rule = per_sample.LinearRule("layer", layer)
+        rule.record_tokens(acts, grads)
+        assert not rule.materialise and rule._splits()
+        rule.add_clipped_sum(factors, sums.setdefault(split, {}), tensor_cores=split)
+    return sums[True][layer.weight], sums[False][layer.weight]
+
+
+# either operand scaled and split; a float32 input (a LayerNorm's output under autocast) scaled and split
+@pytest.mark.parametrize(("d_in", "d_out", "act_dtype"),
+                         [(24, 40, torch.bfloat16), (40, 24, torch.bfloat16), (24, 40, torch.float32)])
+def test_the_tensor_core_clipped_sum_equals_the_float32_one_to_float32_rounding(monkeypatch, d_in, d_out, act_dtype):
+    split, full = split_and_float32_sums(monkeypatch, d_in, d_out, act_dtype)
+    assert split.dtype == torch.float32
+    assert float((split - full).norm() / full.norm()) < 1e-6  # a single bfloat16 part errs by about 1e-3
+
+
+def test_only_a_scaled_operand_may_be_float32_on_tensor_cores(monkeypatch):
+    # The operand that is not scaled enters the matmul as it is: a float32 one would be rounded to bfloat16.
+    monkeypatch.setattr(per_sample, "TENSOR_CORE_DEVICES", frozenset({"cpu"}))
+    bf16, fp32 = [torch.zeros(2, dtype=torch.bfloat16)], [torch.zeros(2)]
+    assert per_sample.splits_on_tensor_cores(scaled=bf16, other=bf16)
+    assert per_sample.splits_on_tensor_cores(scaled=fp32, other=bf16)
+    assert not per_sample.splits_on_tensor_cores(scaled=bf16, other=fp32)
+    assert not per_sample.splits_on_tensor_cores(scaled=[torch.zeros(2, dtype=torch.float64)], other=bf16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_tensor_core_clipped_sum_accumulates_in_float32():
+    # bfloat16 x bfloat16 -> float32 on tensor cores: products exact, sums in float32 (not IEEE: an H200 erred by
+    # 3.4e-6 of the sum here, IEEE float32 matmuls by 3.8e-7). A matmul that rounded its output or its partial
+    # sums to bfloat16 would err by about 1e-3.
+    torch.manual_seed(0)
+    layer, batch, tokens = nn.Linear(384, 768, bias=False).cuda(), 32, 197
+    acts = torch.randn(batch, 1, tokens, 384, device="cuda").bfloat16()
+    grads = torch.randn(batch, 1, tokens, 768, device="cuda").bfloat16()
+    factors = torch.rand(batch, device="cuda")
+    rule, sums = per_sample.LinearRule("layer", layer), {}
+    rule.record_tokens(acts, grads)
+    assert rule._splits()
+    rule.add_clipped_sum(factors, sums, tensor_cores=True)
+    scaled = acts.double() * factors.double().view(-1, 1, 1, 1)  # [B, 1, T, 384]
+    exact = grads.double().reshape(-1, 768).t() @ scaled.reshape(-1, 384)  # [768, 384]
+    assert float((sums[layer.weight].double() - exact).norm() / exact.norm()) < 3e-5
 
 
 def test_layernorm_with_a_zero_scale_gives_the_exact_clipped_sum():

@@ -41,12 +41,13 @@ def test_bench_dp_step_times_a_logical_step_of_several_microbatches_phase_by_pha
     assert all(seconds > 0 for mode in result["phases_s"].values() for seconds in mode.values())
 
 
-def test_bench_without_the_secure_mode_times_the_others(capsys):
+def test_bench_without_the_secure_mode_times_the_others_and_the_tensor_core_sums_when_asked(capsys):
     code = main(["bench", "dp-step", "--json", "--batch", "4", "--repeats", "1", "--warmup", "0", "--no-opacus",
-                 "--no-secure"])
+                 "--no-secure", "--tensor-core-sums"])
     assert code == 0
     result = json.loads(capsys.readouterr().out)
     assert "dp_secure_ratio" not in result and "opacus_ghost_ratio" not in result and result["dp_ratio"] > 0
+    assert result["dp_tensor_cores_ratio"] > 0 and result["dp_tensor_cores_peak_mem_ratio"] > 0
 
 
 def test_bench_refuses_microbatches_with_the_opacus_modes(capsys):
@@ -69,7 +70,7 @@ def test_bench_on_cuda_without_a_gpu_is_a_one_line_error(capsys):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_bench_dp_step_on_cuda_times_the_gpu_steps_and_names_their_kernels(capsys):
     code = main(["bench", "dp-step", "--json", "--device", "cuda", "--batch", "8", "--repeats", "1", "--warmup", "1",
-                 "--precision", "bf16"])
+                 "--precision", "bf16", "--tensor-core-sums"])
     assert code == 0
     result = json.loads(capsys.readouterr().out)
     assert result["device"] == torch.cuda.get_device_name() and "phases_s" not in result
@@ -79,7 +80,7 @@ def test_bench_dp_step_on_cuda_times_the_gpu_steps_and_names_their_kernels(capsy
         kernels = result["kernels_s"][mode]["kernels"]
         assert kernels["all"] > 0 and sum(v for k, v in kernels.items() if k != "all") <= kernels["all"] + 1e-9
         assert "forward" in result["kernels_s"][mode]["ranges"]
-    assert result["max_abs_err_vs_naive"] < 1e-5
+    assert result["max_abs_err_vs_naive"] < 1e-5 and result["dp_tensor_cores_ratio"] > 0
 
 
 def test_opacus_wrapper_computes_the_mae_loss():
