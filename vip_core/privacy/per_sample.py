@@ -373,14 +373,33 @@ class Conv2dRule(MatmulRule):
     def record(self, inputs: torch.Tensor, output: torch.Tensor | None, output_grad: torch.Tensor) -> None:
         conv = self.module
         batch, groups = inputs.shape[0], conv.groups
+        grads = output_grad.reshape(batch, groups, output_grad.shape[1] // groups, -1).transpose(2, 3)  # [B, g, T, d_out]
+        if _cuts_patches(conv):
+            self.record_tokens(patches(inputs, conv.kernel_size).unsqueeze(1), grads)  # acts: [B, 1, T, d_in]
+            return
         padding = conv._reversed_padding_repeated_twice
         if any(padding):
             mode = "constant" if conv.padding_mode == "zeros" else conv.padding_mode
             inputs = F.pad(inputs, padding, mode=mode)
         unfolded = F.unfold(inputs, conv.kernel_size, dilation=conv.dilation, stride=conv.stride)  # [B, C*k*k, T]
         acts = unfolded.view(batch, groups, -1, unfolded.shape[-1]).transpose(2, 3)  # acts: [B, g, T, d_in]
-        grads = output_grad.reshape(batch, groups, output_grad.shape[1] // groups, -1).transpose(2, 3)  # [B, g, T, d_out]
         self.record_tokens(acts, grads)
+
+
+def _cuts_patches(conv: nn.Conv2d) -> bool:
+    """Whether ``conv`` reads non-overlapping patches (a ViT's patch embedding): one group, no padding, no dilation,
+    stride equal to the kernel."""
+    return (conv.groups == 1 and not any(conv._reversed_padding_repeated_twice) and tuple(conv.dilation) == (1, 1)
+            and tuple(conv.stride) == tuple(conv.kernel_size))
+
+
+def patches(inputs: torch.Tensor, kernel_size: tuple[int, int]) -> torch.Tensor:
+    """``F.unfold(inputs, kernel_size, stride=kernel_size)`` laid out token-first, ``[B, T, C·kh·kw]``, by one copy
+    (``im2col`` is a slow kernel on CUDA): the same values in the same order."""
+    batch, channels, height, width = inputs.shape
+    (kh, kw), rows, cols = kernel_size, height // kernel_size[0], width // kernel_size[1]
+    cut = inputs[:, :, :rows * kh, :cols * kw].reshape(batch, channels, rows, kh, cols, kw)
+    return cut.permute(0, 2, 4, 1, 3, 5).reshape(batch, rows * cols, channels * kh * kw)  # [B, T, C*kh*kw]
 
 
 class LayerNormRule(Rule):
