@@ -35,6 +35,7 @@ import contextlib
 import logging
 import os
 import threading
+import warnings
 import weakref
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -46,7 +47,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.profiler import record_function
 
-from vip_core.privacy.per_sample import RULES, PlainRule, Rule, Sums
+from vip_core.privacy.per_sample import RULES, TENSOR_CORE_MIN_CLIP, PlainRule, Rule, Sums, has_tensor_cores
 from vip_core.privacy.randomness import GaussianDraw, RandomStream
 
 logger = logging.getLogger(__name__)
@@ -145,10 +146,16 @@ class ClippedGradientSum:
     def __init__(self, model: nn.Module, *, max_grad_norm: float, noise_multiplier: float = 0.0,
                  noise: RandomStream | None = None, tensor_core_sums: bool = False) -> None:
         _check_arguments(max_grad_norm, noise_multiplier, 1.0, None)
+        if tensor_core_sums and max_grad_norm < TENSOR_CORE_MIN_CLIP:
+            raise ValueError(f"tensor_core_sums needs max_grad_norm >= {TENSOR_CORE_MIN_CLIP:g}, got "
+                             f"{max_grad_norm!r}: below it their bfloat16 parts' underflow is not negligible beside C")
         self.model = model
         self.max_grad_norm = max_grad_norm
         self.tensor_core_sums = tensor_core_sums
         self.plan = plan_model(model)
+        if tensor_core_sums and not any(has_tensor_cores(p.device) for p in self.plan.params):
+            warnings.warn("tensor_core_sums has no effect here: no trainable parameter is on a CUDA device, so the "
+                          "clipped sums stay IEEE float32", stacklevel=2)
         if noise_multiplier > 0 and noise is None:
             raise ValueError("noise_multiplier > 0 needs a noise stream (a RandomStream), never a default generator")
         for param in self.plan.params:

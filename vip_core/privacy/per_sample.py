@@ -132,6 +132,17 @@ def _gamma(terms: int) -> float:
 
 
 TENSOR_CORE_DEVICES = frozenset({"cuda"})  # devices with bfloat16 x bfloat16 -> float32 matmuls
+# The smallest clipping norm the tensor-core sums accept. Their bfloat16 parts are exact for entries of at least
+# 2^-110; below, an entry loses under 2^-124 even where a matmul flushes subnormal bfloat16 inputs to zero (which
+# can also drop an unscaled entry below 2^-126). Every entry of either operand stays below about 1.8e19 (a larger
+# one overflows its sample's float32 Gram, and the sample is dropped as non-finite), so a sample's sum of T tokens
+# moves by at most about T·√(d_in·d_out)·1e-18: 3e-13 at T = 200 and ViT-Base's widest layer, beside C.
+TENSOR_CORE_MIN_CLIP = 1e-6
+
+
+def has_tensor_cores(device: torch.device) -> bool:
+    """Whether ``device`` is one of :data:`TENSOR_CORE_DEVICES`."""
+    return device.type in TENSOR_CORE_DEVICES
 
 
 def splits_on_tensor_cores(scaled: list[torch.Tensor], other: list[torch.Tensor]) -> bool:
@@ -140,7 +151,7 @@ def splits_on_tensor_cores(scaled: list[torch.Tensor], other: list[torch.Tensor]
     bfloat16 or float32 (scaled in float32, then split exactly by :func:`bfloat16_parts`)."""
     return (all(t.dtype == torch.bfloat16 for t in other)
             and all(t.dtype in (torch.bfloat16, torch.float32) for t in scaled)
-            and all(t.device.type in TENSOR_CORE_DEVICES for t in scaled + other))
+            and all(has_tensor_cores(t.device) for t in scaled + other))
 
 
 def _joined(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
@@ -150,11 +161,12 @@ def _joined(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
 
 
 def bfloat16_parts(values: torch.Tensor) -> list[torch.Tensor]:
-    """Three bfloat16 tensors, largest first, whose sum is exactly ``values`` (float32): each part rounds (to
-    nearest) what the parts before it left, and a float32 significand (24 bits) is three bfloat16 ones (8 bits),
-    so the last rest is exact. bfloat16 has float32's exponent range; only an entry below about 2^-103 can lose
-    its last part where subnormal bfloat16 inputs are flushed to zero (the floating-point caveat of
-    ``docs/privacy.md``)."""
+    """Three bfloat16 tensors, largest first, whose sum is exactly ``values`` (float32) for entries of magnitude
+    in [2^-110, 3.3961775e38): each part rounds (to nearest) what the parts before it left, and a float32
+    significand (24 bits) is three bfloat16 ones (8 bits), so the last rest is exact. Below 2^-110 the last parts
+    run out of bfloat16's subnormals (:data:`TENSOR_CORE_MIN_CLIP` says what that can cost); from 3.3961775e38 the
+    first part rounds to infinity (such an entry has already made its sample's norm infinite, and the sample is
+    zeroed before the sum)."""
     high = values.to(torch.bfloat16)
     rest = values - high  # exact in float32: at most 16 significant bits
     middle = rest.to(torch.bfloat16)

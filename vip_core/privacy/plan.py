@@ -19,6 +19,7 @@ from typing import Any, Protocol, Sequence
 from vip_core.config import ConfigError
 from vip_core.privacy.accounting import calibrate_noise_multiplier
 from vip_core.privacy.ledger import Charge, LedgerBook, PrivacyLedger, compose
+from vip_core.privacy.per_sample import TENSOR_CORE_MIN_CLIP
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +27,10 @@ log = logging.getLogger(__name__)
 # the steps it was charged for would not be the steps it takes); causes before consequences (a new batch
 # size changes q, which changes a calibrated σ).
 RESUME_FIELDS = ("dataset_size", "fingerprint", "batch_size", "sample_rate", "steps", "runs", "target_epsilon",
-                 "delta", "accountant", "max_grad_norm", "noise_multiplier", "secure_mode")
+                 "delta", "accountant", "max_grad_norm", "noise_multiplier", "secure_mode", "tensor_core_sums")
+
+
+_LATER_FIELD_DEFAULTS = {"tensor_core_sums": False}  # what a plan saved before these fields existed ran with
 
 
 class PrivacyBudget(Protocol):
@@ -119,8 +123,9 @@ class PrivacyPlan:
         """The first of ``RESUME_FIELDS`` (then the other runs composed in) whose value in ``other`` differs,
         as ``"field=theirs, the plan gives ours"``."""
         for field in RESUME_FIELDS:
-            if other.get(field) != getattr(self, field):
-                return f"{field}={other.get(field)!r}, the plan gives {getattr(self, field)!r}"
+            theirs = other.get(field, _LATER_FIELD_DEFAULTS.get(field))  # a plan saved before the field existed
+            if theirs != getattr(self, field):
+                return f"{field}={theirs!r}, the plan gives {getattr(self, field)!r}"
         theirs = tuple(Charge(**charge) for charge in other.get("prior", ()))
         if theirs != self.prior:
             return f"{len(theirs)} earlier runs composed in, the plan composes {len(self.prior)}"
@@ -155,6 +160,9 @@ def plan_privacy(
         raise ConfigError(f"{batch_field}: {batch_size} is larger than the data set ({dataset_size} examples)")
     if runs < 1:
         raise ValueError(f"runs must be >= 1, got {runs}")
+    if budget.tensor_core_sums and budget.max_grad_norm < TENSOR_CORE_MIN_CLIP:
+        raise ConfigError(f"{field}.tensor_core_sums: needs {field}.max_grad_norm >= {TENSOR_CORE_MIN_CLIP:g}, got "
+                          f"{budget.max_grad_norm!r} (below it the bfloat16 parts' underflow is not negligible)")
     sample_rate = batch_size / dataset_size
     delta = budget.delta if budget.delta is not None else 1.0 / (2 * dataset_size)
     if delta >= 1.0 / dataset_size:

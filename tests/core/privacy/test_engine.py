@@ -664,13 +664,25 @@ def test_bfloat16_parts_add_up_exactly_to_their_float32_values():
     # The tensor-core clipped sum multiplies the three parts instead of the scaled float32 operand: a part that
     # lost a bit would change a sample's clipped contribution beyond what its norm bounds.
     torch.manual_seed(0)
-    exponents = torch.randint(-100, 120, (100_000,)).float()
-    values = torch.randn(100_000) * torch.exp2(exponents)  # float32 of every size bfloat16 parts keep exactly
-    values[:4] = torch.tensor([1.9999999, -1.9999999, 3.0000002, 2.0**-100 * 1.9999999])  # high rounds up a binade
+    exponents = torch.randint(-110, 128, (200_000,)).float()  # every binade the parts keep exactly
+    values = (1 + torch.rand(200_000)) * torch.exp2(exponents) * torch.randint(0, 2, (200_000,)).mul(2).sub(1)
+    largest = torch.tensor([0x7F7F7FFF], dtype=torch.int32).view(torch.float32)  # above it the first part is inf
+    values = values[values.abs() <= largest]
+    edges = torch.tensor([1.9999999, -1.9999999, 3.0000002, 2.0**-110, 2.0**-110 * 1.9999999])
+    values = torch.cat([edges, largest, -largest, values])  # a first part that rounds up a binade; the range's ends
     parts = per_sample.bfloat16_parts(values)
     assert [p.dtype for p in parts] == [torch.bfloat16] * 3
     assert torch.equal(parts[0], values.bfloat16())
     assert torch.equal(sum(p.double() for p in parts), values.double())
+    below = torch.tensor([2.0**-111 * 1.9999999])  # under the range the last part runs out of subnormals
+    assert not torch.equal(sum(p.double() for p in per_sample.bfloat16_parts(below)), below.double())
+
+
+def test_tensor_core_sums_refuse_a_tiny_clipping_norm_and_say_when_they_do_nothing():
+    with pytest.raises(ValueError, match="tensor_core_sums needs max_grad_norm >= 1e-06"):
+        ClippedGradientSum(nn.Linear(2, 2), max_grad_norm=1e-7, tensor_core_sums=True)
+    with pytest.warns(UserWarning, match="no trainable parameter is on a CUDA device"):
+        ClippedGradientSum(nn.Linear(2, 2), max_grad_norm=1.0, tensor_core_sums=True)
 
 
 def split_and_float32_sums(monkeypatch, d_in, d_out, act_dtype, tokens=5, batch=6):

@@ -136,3 +136,20 @@ def test_epsilon_by_counts_the_earlier_runs_of_a_plan_as_its_ledger_does():
     assert plan.epsilon_by("rdp", 1_000, earlier_runs=1) == pytest.approx(second_run, rel=1e-9)
     assert plan.epsilon_by("rdp", 1_000) < second_run  # counting the running run alone under-reports
     assert plan.tight_epsilon(1_000, earlier_runs=1) > plan.tight_epsilon(1_000)
+
+
+def test_tensor_core_sums_with_a_clipping_norm_too_small_for_their_bfloat16_parts_is_refused_naming_the_field():
+    config = with_overrides(get_preset("tiny"), {"privacy.tensor_core_sums": True, "privacy.max_grad_norm": 1e-7})
+    with pytest.raises(ConfigError, match=r"privacy\.tensor_core_sums: needs privacy\.max_grad_norm >= 1e-06"):
+        stage_plan(config, 1_000)
+    assert stage_plan(with_overrides(config, {"privacy.max_grad_norm": 1e-6}), 1_000).tensor_core_sums
+
+
+def test_a_resume_that_changes_tensor_core_sums_is_refused_and_an_older_plan_without_it_ran_without_them():
+    # The setting changes how the clipped sums round (docs/privacy.md): a run's steps keep the one they started
+    # with, and plans saved before the setting existed ran the IEEE float32 sums.
+    plan = stage_plan(get_preset("tiny"), 1_000)
+    switched = stage_plan(with_overrides(get_preset("tiny"), {"privacy.tensor_core_sums": True}), 1_000)
+    assert plan.mismatch(switched.to_dict()) == "tensor_core_sums=True, the plan gives False"
+    older = {k: v for k, v in plan.to_dict().items() if k != "tensor_core_sums"}
+    assert plan.mismatch(older) is None and switched.mismatch(older) == "tensor_core_sums=False, the plan gives True"
