@@ -407,11 +407,13 @@ def _cuts_patches(conv: nn.Conv2d) -> bool:
 
 def patches(inputs: torch.Tensor, kernel_size: tuple[int, int]) -> torch.Tensor:
     """``F.unfold(inputs, kernel_size, stride=kernel_size)`` laid out token-first, ``[B, T, C·kh·kw]``, by one copy
-    (``im2col`` is a slow kernel on CUDA): the same values in the same order."""
+    (``im2col`` is a slow kernel on CUDA): the same values in the same order, and like F.unfold's a copy even where
+    a view would do (a 1 x 1 kernel, a kernel the size of the image), so that the rule keeps what the layer read."""
     batch, channels, height, width = inputs.shape
     (kh, kw), rows, cols = kernel_size, height // kernel_size[0], width // kernel_size[1]
     cut = inputs[:, :, :rows * kh, :cols * kw].reshape(batch, channels, rows, kh, cols, kw)
-    return cut.permute(0, 2, 4, 1, 3, 5).reshape(batch, rows * cols, channels * kh * kw)  # [B, T, C*kh*kw]
+    tokens = cut.permute(0, 2, 4, 1, 3, 5).reshape(batch, rows * cols, channels * kh * kw)  # [B, T, C*kh*kw]
+    return tokens.clone() if tokens.untyped_storage().data_ptr() == inputs.untyped_storage().data_ptr() else tokens
 
 
 class LayerNormRule(Rule):

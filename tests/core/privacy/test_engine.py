@@ -741,15 +741,19 @@ def test_on_cuda_the_tensor_core_clipped_sum_accumulates_in_float32():
     assert float((sums[layer.weight].double() - exact).norm() / exact.norm()) < 3e-5
 
 
-@pytest.mark.parametrize(("shape", "kernel"), [((2, 3, 32, 32), (16, 16)), ((2, 5, 13, 10), (4, 3))])
+@pytest.mark.parametrize(("shape", "kernel"), [((2, 3, 32, 32), (16, 16)), ((2, 5, 13, 10), (4, 3)),
+                                               ((2, 3, 8, 8), (1, 1)), ((2, 3, 8, 8), (8, 8))])
 def test_a_patch_embeddings_tokens_are_exactly_its_unfolded_input(shape, kernel):
     # The Conv2d rule cuts non-overlapping patches by a copy instead of im2col: the same values, in the order of
     # F.unfold's tokens and features (rows and columns that do not fill a patch are dropped, as the conv does).
     inputs = torch.randn(shape)
     unfolded = F.unfold(inputs, kernel, stride=kernel).transpose(1, 2)  # [B, T, C*kh*kw]
-    assert torch.equal(per_sample.patches(inputs, kernel), unfolded)
+    tokens = per_sample.patches(inputs, kernel)
+    assert torch.equal(tokens, unfolded)
+    inputs.data.add_(1.0)  # a copy, as F.unfold's: a later write to the layer's input does not reach the kept tokens
+    assert torch.equal(tokens, unfolded)
     assert per_sample._cuts_patches(nn.Conv2d(shape[1], 4, kernel, stride=kernel))
-    assert not per_sample._cuts_patches(nn.Conv2d(shape[1], 4, kernel, stride=1))
+    assert not per_sample._cuts_patches(nn.Conv2d(shape[1], 4, kernel, stride=(kernel[0] + 1, kernel[1])))
     assert not per_sample._cuts_patches(nn.Conv2d(shape[1], 4, kernel, stride=kernel, padding=1))
 
 
