@@ -51,6 +51,9 @@ def test_unknown_fields_are_refused():
         ({"privacy.delta": 1.0}, "privacy.delta"),
         ({"privacy.target_epsilon": 0}, "privacy.target_epsilon"),
         ({"privacy.accountant": "moments"}, "privacy.accountant"),
+        ({"privacy.max_grad_norm": float("inf")}, "privacy.max_grad_norm"),  # would clip nothing
+        ({"privacy.noise_multiplier": float("inf")}, "privacy.noise_multiplier"),
+        ({"evaluation.finetune_privacy.max_grad_norm": float("inf")}, "evaluation.finetune_privacy.max_grad_norm"),
     ],
 )
 def test_bad_value_error_names_the_field(overrides, field):

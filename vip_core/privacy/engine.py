@@ -301,10 +301,10 @@ def usable_cores() -> int:
 def _check_arguments(
     max_grad_norm: float, noise_multiplier: float, expected_batch_size: float, physical_batch_size: int | None
 ) -> None:
-    if not max_grad_norm > 0:
-        raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm}")
-    if not noise_multiplier >= 0:
-        raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier}")
+    if not 0 < max_grad_norm < float("inf"):  # an infinite C would clip nothing
+        raise ValueError(f"max_grad_norm must be finite and > 0, got {max_grad_norm}")
+    if not 0 <= noise_multiplier < float("inf"):
+        raise ValueError(f"noise_multiplier must be finite and >= 0, got {noise_multiplier}")
     if not expected_batch_size > 0:
         raise ValueError(f"expected_batch_size must be > 0, got {expected_batch_size}")
     if physical_batch_size is not None and physical_batch_size <= 0:

@@ -817,3 +817,12 @@ def test_full_float32_after_a_users_legacy_tf32_setting_keeps_torchs_tf32_check_
         torch.set_float32_matmul_precision(before[0])
         for backend, value in zip(backends, before[1]):
             backend.fp32_precision = value
+
+
+@pytest.mark.parametrize(("field", "value"), [("max_grad_norm", math.inf), ("max_grad_norm", math.nan),
+                                              ("noise_multiplier", math.inf)])
+def test_an_infinite_clipping_norm_or_noise_multiplier_is_refused(field, value):
+    # An infinite C clips nothing: the sum's sensitivity would be unbounded.
+    arguments = {"max_grad_norm": 1.0, "noise_multiplier": 1.0, field: value}
+    with pytest.raises(ValueError, match=f"{field} must be finite"):
+        ClippedGradientSum(nn.Linear(2, 2), noise=RandomStream(1, 0, "noise"), **arguments)
