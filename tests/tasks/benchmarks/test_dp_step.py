@@ -14,8 +14,9 @@ from vip_core.config import get_preset
 from vip_core.models.mae import build_mae
 
 KEYS = (
-    "nonprivate_s", "dp_s", "dp_ratio", "dp_peak_mem_ratio", "opacus_ghost_ratio", "opacus_hooks_ratio",
-    "max_abs_err_vs_naive", "noise_ns_per_coordinate_one_thread", "noise_ns_per_coordinate_every_core",
+    "nonprivate_s", "dp_s", "nonprivate_cpu_s", "dp_cpu_s", "dp_ratio", "dp_peak_mem_ratio", "opacus_ghost_ratio",
+    "opacus_hooks_ratio", "max_abs_err_vs_naive", "noise_ns_per_coordinate_one_thread",
+    "noise_ns_per_coordinate_every_core",
 )
 
 
@@ -27,6 +28,7 @@ def test_bench_dp_step_prints_the_figures_as_json(capsys):
         assert isinstance(result[key], float) and result[key] >= 0, key
     assert result["max_abs_err_vs_naive"] < 1e-5
     assert result["dp_ratio"] == result["dp_s"] / result["nonprivate_s"]
+    assert result["dp_cpu_ratio"] == result["dp_cpu_s"] / result["nonprivate_cpu_s"] and result["dp_cpu_s"] > 0
     assert result["cores"] >= 1 and result["noise_ns_per_coordinate_one_thread"] > 0
 
 
