@@ -97,7 +97,8 @@ class PrivacyConfig(_Frozen):
     target_epsilon: float = Field(8.0, gt=0, description="budget of the private data set, all its runs composed")
     delta: float | None = Field(None, gt=0, lt=1, description="None: 1/(2N) for the measured N")
     max_grad_norm: float = Field(0.1, gt=0, allow_inf_nan=False)
-    noise_multiplier: float | None = Field(None, allow_inf_nan=False, description="None: calibrated by the accountant")
+    noise_multiplier: float | None = Field(None, allow_inf_nan=False,
+                                           description="None: calibrated by the accountant")
     accountant: Accountant = "pld"
     secure_mode: bool = Field(False, description="draw noise, samples and masks from the OS CSPRNG (slower)")
     tensor_core_sums: bool = Field(False, description=TENSOR_CORE_SUMS_HELP)
@@ -233,7 +234,8 @@ class FinetunePrivacyConfig(_Frozen):
     target_epsilon: float = Field(8.0, gt=0)
     delta: float | None = Field(None, gt=0, lt=1, description="None: 1/(2N) for the fine-tuning set's N")
     max_grad_norm: float = Field(1.0, gt=0, allow_inf_nan=False)
-    noise_multiplier: float | None = Field(None, ge=0, allow_inf_nan=False, description="None: calibrated by the accountant")
+    noise_multiplier: float | None = Field(None, ge=0, allow_inf_nan=False,
+                                           description="None: calibrated by the accountant")
     batch_size: int = Field(256, gt=0, description="expected logical batch size; q = batch_size / N")
     physical_batch_size: int = Field(64, gt=0)
     steps: int = Field(100, gt=0)

@@ -329,30 +329,29 @@ class MatmulRule(Rule):
         """Whether the clipped sum scales the inputs (the smaller operand) rather than the output gradients."""
         return self.ghost_inputs[0].shape[-1] <= self.ghost_grads[0].shape[-1]
 
+    def _scaled_and_other(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The kept tensors of the operand the clipped sum scales, and of the other one."""
+        if self._scales_inputs():
+            return self.ghost_inputs, self.ghost_grads
+        return self.ghost_grads, self.ghost_inputs
+
     def _splits(self) -> bool:
         """Whether the clipped sum runs on tensor cores (:func:`splits_on_tensor_cores`)."""
-        if self._scales_inputs():
-            return splits_on_tensor_cores(self.ghost_inputs, self.ghost_grads)
-        return splits_on_tensor_cores(self.ghost_grads, self.ghost_inputs)
+        return splits_on_tensor_cores(*self._scaled_and_other())
 
     def _add_split_clipped_sum(self, factors: torch.Tensor, sums: Sums) -> None:
         """The weight's clipped sum on tensor cores: the scaled operand (float32, the very values the float32 path
         multiplies) as three bfloat16 parts that add up to it exactly, each part's product with the other operand
         (bfloat16, exact) summed in float32."""
-        factors = factors.float().view(-1, 1, 1)  # [B, 1, 1]
+        scaled_kept, other_kept = self._scaled_and_other()
+        scaled = _joined(scaled_kept, torch.float32) * factors.float().view(-1, 1, 1)  # [B, T, d_scaled]
+        scaled = scaled.reshape(-1, scaled.shape[2])  # [B*T, d_scaled]
+        other = _joined(other_kept, torch.bfloat16)
+        other = other.reshape(-1, other.shape[2])  # [B*T, d_other]
         total = None
-        if self._scales_inputs():
-            grads = _joined(self.ghost_grads, torch.bfloat16)  # grads: [B, T, d_out]
-            acts = _joined(self.ghost_inputs, torch.float32) * factors  # acts: [B, T, d_in], scaled
-            left = grads.reshape(-1, grads.shape[2]).t()  # [d_out, B*T]
-            for part in reversed(bfloat16_parts(acts)):  # the smallest part first
-                total = add_float32_product(total, left, part.reshape(-1, acts.shape[2]))  # [d_out, d_in]
-        else:
-            acts = _joined(self.ghost_inputs, torch.bfloat16)  # acts: [B, T, d_in]
-            grads = _joined(self.ghost_grads, torch.float32) * factors  # grads: [B, T, d_out], scaled
-            right = acts.reshape(-1, acts.shape[2])  # [B*T, d_in]
-            for part in reversed(bfloat16_parts(grads)):
-                total = add_float32_product(total, part.reshape(-1, grads.shape[2]).t(), right)  # [d_out, d_in]
+        for part in reversed(bfloat16_parts(scaled)):  # the smallest part first
+            grads, acts = (other, part) if self._scales_inputs() else (part, other)  # [B*T, d_out], [B*T, d_in]
+            total = add_float32_product(total, grads.t(), acts)  # [d_out, d_in]
         add_to_sum(sums, self.weight, total)
 
     def zero_samples(self, keep: torch.Tensor) -> None:

@@ -30,9 +30,6 @@ RESUME_FIELDS = ("dataset_size", "fingerprint", "batch_size", "sample_rate", "st
                  "delta", "accountant", "max_grad_norm", "noise_multiplier", "secure_mode", "tensor_core_sums")
 
 
-_LATER_FIELD_DEFAULTS = {"tensor_core_sums": False}  # what a plan saved before these fields existed ran with
-
-
 class PrivacyBudget(Protocol):
     """The privacy settings of a run (``PrivacyConfig``, ``FinetunePrivacyConfig``)."""
 
@@ -123,13 +120,19 @@ class PrivacyPlan:
         """The first of ``RESUME_FIELDS`` (then the other runs composed in) whose value in ``other`` differs,
         as ``"field=theirs, the plan gives ours"``."""
         for field in RESUME_FIELDS:
-            theirs = other.get(field, _LATER_FIELD_DEFAULTS.get(field))  # a plan saved before the field existed
+            theirs = other.get(field, _saved_default(field))  # a plan saved before the field existed
             if theirs != getattr(self, field):
                 return f"{field}={theirs!r}, the plan gives {getattr(self, field)!r}"
         theirs = tuple(Charge(**charge) for charge in other.get("prior", ()))
         if theirs != self.prior:
             return f"{len(theirs)} earlier runs composed in, the plan composes {len(self.prior)}"
         return None
+
+
+def _saved_default(field: str) -> Any:
+    """What a plan saved without ``field`` ran with: the field's default (None for a field that has none)."""
+    default = PrivacyPlan.__dataclass_fields__[field].default
+    return None if default is dataclasses.MISSING else default
 
 
 def plan_privacy(
