@@ -124,11 +124,11 @@ class ClippedGradientSum:
     once. Use it to stream a logical batch from disk one physical batch at a time;
     :func:`privatized_gradients` is the one-call form.
 
-    The noise is one :class:`~vip_core.privacy.randomness.GaussianDraw` taken when the sum is created. Each
-    parameter's share is drawn on helper threads into a buffer of its own, and the clipped sums are added into
-    those buffers: for float32 parameters it needs no second parameter-sized buffer. When torch leaves cores
-    idle, the helpers use them while the first backward runs (a parameter's draw starts when the backward
-    reaches its layer, as a non-private backward would allocate its gradient); otherwise the helpers draw it all
+    The noise is one :class:`~vip_core.privacy.randomness.GaussianDraw` taken when the sum is created. The CPU
+    parameters' noise is drawn on helper threads into one flat buffer, each parameter's share a view of it, and
+    the clipped sums are added into those views: for float32 parameters it needs no second parameter-sized
+    buffer (the privatized gradients are views of it too). When torch leaves cores idle, the helpers use them
+    while the first backward runs (the draw starts when the backward reaches its first layer); otherwise the helpers draw it all
     once the first microbatch's clip factors are known, before its clipped sums, because helpers competing with
     torch's threads for the cores would slow its matmuls more than the draw costs. The values do not depend on
     the threads or the microbatches. One object sums and privatizes one logical batch: after :meth:`privatize`,
@@ -213,77 +213,89 @@ class ClippedGradientSum:
 class _StepNoise:
     """A step's noise, one :class:`GaussianDraw` over the trainable parameters (none when σ = 0).
 
-    :meth:`start` allocates a parameter's buffer (on the calling thread) and hands its blocks to helper
-    threads: as many as the cores torch's threads leave idle, whose draws may start during the backward
+    The CPU parameters' noise is one flat float32 vector, tensor ``len(params)`` of the draw (no parameter's
+    index), each parameter's share a view of it, in ``params`` order: one allocation per step, and blocks of the
+    draw that span parameters, so that the helper threads get one task per block rather than one or more per
+    parameter. :meth:`start` allocates it (on the calling thread) and hands its blocks to helper threads: as
+    many as the cores torch's threads leave idle, whose draws start when the first backward reaches a layer
     (:meth:`start_early`), or else ``torch.get_num_threads()``, which draw everything before the clipped sums
-    (:meth:`draw_all`) while the calling thread waits; CUDA parameters are drawn on the device at :meth:`settle`.
-    :meth:`settle` waits for a parameter's noise and makes it the start of its running sum: each parameter's
-    noise enters the sum exactly once, whatever the number of microbatches.
+    (:meth:`draw_all`) while the calling thread waits. A CUDA parameter's noise is drawn on the device at
+    :meth:`settle` (tensor index: its position in ``params``). :meth:`settle` waits for a parameter's noise and
+    makes it the start of its running sum: each parameter's noise enters the sum exactly once, whatever the
+    number of microbatches.
     """
 
     def __init__(self, params: list[nn.Parameter], draw: GaussianDraw | None) -> None:
         self.draw = draw
         self.index = {param: i for i, param in enumerate(params)}
-        self.pending: dict[nn.Parameter, tuple[torch.Tensor, list[Future]]] = {}
+        self.offsets: dict[nn.Parameter, int] = {}  # a CPU parameter's first coordinate in the flat vector
+        self.size = 0  # the flat vector's length
+        for param in params:
+            if param.device.type == "cpu":
+                self.offsets[param] = self.size
+                self.size += param.numel()
+        self.flat: torch.Tensor | None = None  # [size] float32, once started
+        self.futures: list[Future] = []  # one per block of the flat vector
         self.settled: set[nn.Parameter] = set()
         self.early = False
         self.pool: ThreadPoolExecutor | None = None
-        if draw is not None:
+        if draw is not None and self.size:
             idle_cores = usable_cores() - torch.get_num_threads()
             self.early = idle_cores > 0
             helpers = idle_cores if self.early else max(1, torch.get_num_threads())
             self.pool = ThreadPoolExecutor(helpers, "vip-noise")
 
-    def start_early(self, params: Sequence[nn.Parameter]) -> None:
+    def start_early(self) -> None:
         """:meth:`start`, when helper threads have idle cores to run on during the backward."""
         if self.early:
-            self.start(params)
+            self.start()
 
-    def start(self, params: Sequence[nn.Parameter]) -> None:
-        """Starts drawing the noise of ``params`` not started yet (CPU ones only)."""
-        if self.pool is None:
+    def start(self) -> None:
+        """Starts drawing the CPU parameters' noise (once)."""
+        if self.pool is None or self.flat is not None:
             return
-        for param in params:
-            if param in self.pending or param in self.settled or param.device.type != "cpu":
-                continue
-            buffer = torch.empty(param.shape, dtype=torch.float32, device="cpu")
-            futures = [self.pool.submit(self.draw.fill, self.index[param], buffer, block)
-                       for block in GaussianDraw.blocks(buffer.numel())]
-            self.pending[param] = (buffer, futures)
+        self.flat = torch.empty(self.size, dtype=torch.float32, device="cpu")
+        self.futures = [self.pool.submit(self.draw.fill, len(self.index), self.flat, block)
+                        for block in GaussianDraw.blocks(self.size)]
 
-    def draw_all(self, params: Sequence[nn.Parameter]) -> None:
-        """Starts every draw of ``params`` not started yet; when the helpers have no idle cores of their own, also
-        waits for all of them, so that they do not compete with the clipped sums' matmuls for the cores."""
-        self.start(params)
+    def draw_all(self) -> None:
+        """:meth:`start`; when the helpers have no idle cores of their own, also waits for every draw, so that they
+        do not compete with the clipped sums' matmuls for the cores."""
+        self.start()
         if self.early:
             return
         with record_function("vip.noise_wait"):
-            for _, futures in self.pending.values():
-                for future in futures:
-                    future.result()
+            for future in self.futures:
+                future.result()
 
     def settle(self, params: Sequence[nn.Parameter], sums: Sums) -> None:
         """Adds the noise of each of ``params`` not settled yet to ``sums`` (becoming its entry)."""
         if self.draw is None:
             return
-        self.start(params)
+        self.start()
         for param in params:
             if param in self.settled:
                 continue
-            if param in self.pending:
-                buffer, futures = self.pending.pop(param)
-                with record_function("vip.noise_wait"):
-                    for future in futures:
-                        future.result()
-                noise = buffer.to(param.dtype)
+            if param in self.offsets:
+                noise = self._cpu_share(param)
             else:
                 noise = self.draw.tensor(self.index[param], tuple(param.shape), dtype=param.dtype, device=param.device)
             if param in sums:
                 noise.add_(sums[param])
             sums[param] = noise
             self.settled.add(param)
-        if len(self.settled) == len(self.index):
+        if len(self.settled) == len(self.index) and self.pool is not None:
             self.pool.shutdown(wait=False)
+
+    def _cpu_share(self, param: nn.Parameter) -> torch.Tensor:
+        """``param``'s view of the flat noise, once the blocks it spans are drawn (a copy when ``param`` is not
+        float32)."""
+        start = self.offsets[param]
+        stop = start + param.numel()
+        with record_function("vip.noise_wait"):
+            for block in GaussianDraw.blocks_spanning(start, stop):
+                self.futures[block].result()
+        return self.flat[start:stop].view(param.shape).to(param.dtype)
 
     def stop(self) -> None:
         """Stops the helper threads, pending draws cancelled."""
@@ -469,7 +481,7 @@ class _Capture(torch.autograd.Function):
 class _Tape:
     """Forward hooks on the supported layers that keep each call's input and route its output gradient."""
 
-    def __init__(self, plan: ModelPlan, batch: int, on_gradient: Callable[[list[nn.Parameter]], None]) -> None:
+    def __init__(self, plan: ModelPlan, batch: int, on_gradient: Callable[[], None]) -> None:
         self.batch = batch
         self.on_gradient = on_gradient
         self.anchor = torch.zeros((), requires_grad=True)
@@ -506,10 +518,10 @@ class _Tape:
 
 class _Call:
     """One call of a layer: its input (and output, for rules that use it), checked for in-place changes; when
-    its output gradient arrives it is recorded and ``on_gradient`` is told the layer's parameters."""
+    its output gradient arrives it is recorded and ``on_gradient`` is called."""
 
     def __init__(self, rule: Rule, layer_input: torch.Tensor,
-                 on_gradient: Callable[[list[nn.Parameter]], None]) -> None:
+                 on_gradient: Callable[[], None]) -> None:
         self.rule = rule
         self.on_gradient = on_gradient
         self.tensors = [layer_input]
@@ -528,7 +540,7 @@ class _Call:
                 "per-sample gradients need them unchanged"
             )
         self.rule.record(self.tensors[0], self.output, output_grad)
-        self.on_gradient(self.rule.params)
+        self.on_gradient()
 
 
 def _capture(output: torch.Tensor, anchor: torch.Tensor, module: nn.Module, receive: Callable) -> torch.Tensor:
@@ -576,7 +588,7 @@ def _add_microbatch(
                 for rule in rules:
                     rule.zero_samples(finite)
         with record_function("vip.clipped_sum"):
-            noise.draw_all([param for rule in rules for param in rule.params])  # in the order settled below
+            noise.draw_all()
             for rule in rules:
                 noise.settle(rule.params, sums)
                 rule.check_kept()

@@ -193,6 +193,13 @@ class GaussianDraw:
         """The block numbers of a tensor of ``numel`` coordinates."""
         return range((numel + NOISE_BLOCK - 1) // NOISE_BLOCK)
 
+    @staticmethod
+    def blocks_spanning(start: int, stop: int) -> range:
+        """The block numbers holding coordinates ``start`` to ``stop - 1`` of a tensor (none when empty)."""
+        if stop <= start:
+            return range(0)
+        return range(start // NOISE_BLOCK, (stop - 1) // NOISE_BLOCK + 1)
+
     def fill(self, index: int, out: torch.Tensor, block: int) -> None:
         """Writes block ``block`` of tensor ``index``'s noise into ``out`` (contiguous float32 on the CPU), in place."""
         if out.dtype != torch.float32 or out.device.type != "cpu" or not out.is_contiguous():

@@ -14,7 +14,7 @@ from vip_core.config import get_preset
 from vip_core.models.mae import build_mae
 from vip_core.privacy import per_sample
 from vip_core.privacy.engine import ClippedGradientSum, UnsupportedLayerError, privatized_gradients
-from vip_core.privacy.randomness import RandomStream, private_entropy
+from vip_core.privacy.randomness import GaussianDraw, RandomStream, private_entropy
 
 
 def reference_clipped_sum(model, loss_fn, inputs, max_grad_norm):
@@ -225,6 +225,29 @@ def test_noise_is_added_once_around_the_clipped_sum_and_follows_its_stream():
     assert residual.std().item() == pytest.approx(3.0 * 0.05 / 4.0, rel=0.05)
 
 
+def test_the_cpu_noise_is_one_flat_draw_whose_consecutive_shares_go_to_the_parameters_in_order(monkeypatch):
+    from vip_core.privacy import randomness
+
+    monkeypatch.setattr(randomness, "NOISE_BLOCK", 1000)  # blocks that span parameters
+    model = nn.Sequential(nn.Linear(30, 70), nn.LayerNorm(70), nn.Linear(70, 70))
+    sigma, clip = 2.0, 0.5
+    privatized_gradients(model, lambda m, x: m(x).sum(-1), torch.empty(0, 30), max_grad_norm=clip,
+                         noise_multiplier=sigma, expected_batch_size=1.0, noise=RandomStream(9, 0, "noise"))
+    params = list(model.parameters())
+    flat = GaussianDraw(RandomStream(9, 0, "noise"), sigma * clip).tensor(len(params), (sum(p.numel() for p in params),))
+    assert torch.equal(torch.cat([p.grad.flatten() for p in params]), flat)  # every coordinate once, none shared
+    assert len({p.grad.untyped_storage().data_ptr() for p in params}) == 1  # views of one buffer
+
+
+@pytest.mark.parametrize("start, stop, blocks", [(0, 0, []), (5, 5, []), (0, 1, [0]), (0, 1000, [0]), (999, 1001, [0, 1]),
+                                                 (1000, 2000, [1]), (1500, 3001, [1, 2, 3])])
+def test_the_blocks_spanning_a_share_of_the_noise(monkeypatch, start, stop, blocks):
+    from vip_core.privacy import randomness
+
+    monkeypatch.setattr(randomness, "NOISE_BLOCK", 1000)
+    assert list(GaussianDraw.blocks_spanning(start, stop)) == blocks
+
+
 def noisy_grads(model, loss_fn, inputs, seed, physical=None):
     privatized_gradients(
         model, loss_fn, inputs, max_grad_norm=0.05, noise_multiplier=3.0, expected_batch_size=4.0,
@@ -234,7 +257,10 @@ def noisy_grads(model, loss_fn, inputs, seed, physical=None):
 
 
 @pytest.mark.parametrize("threads", [1, 3])
-def test_the_noise_does_not_depend_on_the_microbatches_or_the_helper_threads(threads):
+def test_the_noise_does_not_depend_on_the_microbatches_or_the_helper_threads(monkeypatch, threads):
+    from vip_core.privacy import randomness
+
+    monkeypatch.setattr(randomness, "NOISE_BLOCK", 1000)  # many blocks, most of them spanning two parameters
     torch.manual_seed(0)
     vit, inputs = tiny_vit(), {"x": torch.randn(4, 3, 16, 16), "y": torch.randint(0, 3, (4,))}
     seed = private_entropy()
@@ -259,11 +285,11 @@ def test_the_noise_is_drawn_during_the_backward_only_on_cores_torch_leaves_idle(
 
     monkeypatch.setattr(engine, "usable_cores", lambda: 2)
     model = nn.Sequential(nn.Linear(3, 2000), nn.Linear(2000, 2000))  # 4 M coordinates: drawn in ~20 ms
-    pending_after_backward = []
+    started_after_backward = []
     norms = per_sample.MatmulRule.squared_norms
 
     def spy(rule, batch, device):
-        pending_after_backward.append(len(clipped.noise.pending))
+        started_after_backward.append(len(clipped.noise.futures))
         return norms(rule, batch, device)
 
     monkeypatch.setattr(per_sample.MatmulRule, "squared_norms", spy)
@@ -271,7 +297,7 @@ def test_the_noise_is_drawn_during_the_backward_only_on_cores_torch_leaves_idle(
     clipped_sum = per_sample.MatmulRule.add_clipped_sum
 
     def spy_sum(rule, factors, sums, **options):
-        drawn_before_sums.append(all(f.done() for _, futures in clipped.noise.pending.values() for f in futures))
+        drawn_before_sums.append(all(future.done() for future in clipped.noise.futures))
         return clipped_sum(rule, factors, sums, **options)
 
     monkeypatch.setattr(per_sample.MatmulRule, "add_clipped_sum", spy_sum)
@@ -285,7 +311,7 @@ def test_the_noise_is_drawn_during_the_backward_only_on_cores_torch_leaves_idle(
     finally:
         torch.set_num_threads(previous)
     assert clipped.noise.pool._max_workers == helpers
-    assert (pending_after_backward[0] > 0) == in_backward
+    assert (started_after_backward[0] > 0) == in_backward
     assert drawn_before_sums[0] or in_backward
     assert all(torch.isfinite(p.grad).all() and bool((p.grad != 0).any()) for p in model.parameters())
 
@@ -321,7 +347,7 @@ def test_a_step_that_fails_stops_its_noise_threads_and_sets_no_gradient():
         raise RuntimeError("the loss failed")
 
     clipped = ClippedGradientSum(model, max_grad_norm=1.0, noise_multiplier=1.0, noise=RandomStream(1, 0, "noise"))
-    clipped.noise.start(list(model.parameters()))
+    clipped.noise.start()
     with pytest.raises(RuntimeError, match="the loss failed"):
         clipped.add(failing, torch.randn(4, 3))
     with pytest.raises(RuntimeError, match="shutdown"):  # the helper threads are stopped
