@@ -38,7 +38,7 @@ import threading
 import warnings
 import weakref
 from collections import Counter
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -47,7 +47,9 @@ from torch import nn
 from torch.func import functional_call
 from torch.profiler import record_function
 
-from vip_core.privacy.per_sample import RULES, TENSOR_CORE_MIN_CLIP, PlainRule, Rule, Sums, has_tensor_cores
+from vip_core.privacy.per_sample import (
+    RULES, TENSOR_CORE_MIN_CLIP, GramBounds, PlainRule, Rule, Sums, has_tensor_cores,
+)
 from vip_core.privacy.randomness import GaussianDraw, RandomStream
 
 logger = logging.getLogger(__name__)
@@ -292,9 +294,12 @@ class _StepNoise:
         float32)."""
         start = self.offsets[param]
         stop = start + param.numel()
-        with record_function("vip.noise_wait"):
-            for block in GaussianDraw.blocks_spanning(start, stop):
-                self.futures[block].result()
+        waits = [self.futures[block] for block in GaussianDraw.blocks_spanning(start, stop)]
+        if not all(future.done() for future in waits):
+            with record_function("vip.noise_wait"):
+                wait(waits)
+        for future in waits:
+            future.result()  # raises what a helper raised
         return self.flat[start:stop].view(param.shape).to(param.dtype)
 
     def stop(self) -> None:
@@ -580,9 +585,11 @@ def _add_microbatch(
         rules = [rule for _, rule in tape.rules] + plain_rules
         with record_function("vip.norms"):
             squared = torch.zeros(batch, device=device)
+            bounds = GramBounds()
             for rule in rules:
                 rule.check_kept()
-                squared += rule.squared_norms(batch, device).to(device)
+                squared += rule.squared_norms(batch, device, bounds).to(device)
+            squared += bounds.total(batch, device).float()  # the ghost norms' rounding bounds
             factors, finite = clip_factors(squared, max_grad_norm)
             if not bool(finite.all()):
                 for rule in rules:

@@ -88,7 +88,8 @@ def gram_error_bound(acts: torch.Tensor | None, grads: torch.Tensor, length: int
     most ``1.01 · γ_L · S² + 2 (E_a (Σ‖gₜ‖)² + E_g (Σ‖aₜ‖)²) + T² E_a E_g`` with ``S = Σₜ ‖aₜ‖‖gₜ‖``: the first
     term is relative (Cauchy-Schwarz), the others cover underflow, which can make a Gram of tiny activations
     zero while their gradients are huge. The token norms come from float32 norms (a pass over the activations,
-    no float64 copy), made upper bounds by :func:`_norm_upper_bounds`, and ``M ≤ maxₜ ‖xₜ‖``. It bounds the
+    no float64 copy; :func:`bound_from_token_norms` takes them from there), made upper bounds by
+    :func:`_norm_upper_bounds`, and ``M ≤ maxₜ ‖xₜ‖``. It bounds the
     norm only: the rounding of the clipped sum itself is the floating-point caveat of ``docs/privacy.md``.
 
     Args:
@@ -96,25 +97,58 @@ def gram_error_bound(acts: torch.Tensor | None, grads: torch.Tensor, length: int
         grads: ``[B*g, T, d_out]``.
         length: the longest dot product in the Gram matrices (``d_in + d_out`` covers both factors).
     """
-    tokens = grads.shape[1]
-    grad_norms = _norm_upper_bounds(grads)  # grad_norms: [B*g, T] float64
-    grad_floor = _underflow_error(grads.shape[2], grad_norms)  # [B*g]
-    if acts is None:  # one Gram, of the gradients
+    act_norms = None if acts is None else torch.linalg.vector_norm(acts, dim=2)  # act_norms: [B*g, T]
+    d_in = 0 if acts is None else acts.shape[2]
+    return bound_from_token_norms(act_norms, d_in, torch.linalg.vector_norm(grads, dim=2), grads.shape[2], length)
+
+
+def bound_from_token_norms(act_norms: torch.Tensor | None, d_in: int, grad_norms: torch.Tensor, d_out: int,
+                           length: int) -> torch.Tensor:
+    """:func:`gram_error_bound` of rows whose token norms were computed already (``[N, T]`` each, in the rows' own
+    dtype, of ``d_in``- and ``d_out``-vectors): ``[N]`` float64, row by row, so the rows of several layers of one
+    shape can be bounded in one call (:class:`GramBounds`)."""
+    tokens = grad_norms.shape[1]
+    grad_norms = _norm_upper_bounds(grad_norms, d_out)  # grad_norms: [N, T] float64
+    grad_floor = _underflow_error(d_out, grad_norms)  # [N]
+    if act_norms is None:  # one Gram, of the gradients
         return 1.01 * _gamma(length) * grad_norms.sum(1).square() + 2 * tokens**2 * grad_floor
-    act_norms = _norm_upper_bounds(acts)  # act_norms: [B*g, T] float64
-    act_floor = _underflow_error(acts.shape[2], act_norms)  # [B*g]
+    act_norms = _norm_upper_bounds(act_norms, d_in)  # act_norms: [N, T] float64
+    act_floor = _underflow_error(d_in, act_norms)  # [N]
     relative = 1.01 * _gamma(length) * (act_norms * grad_norms).sum(1).square()
     underflow = 2 * (act_floor * grad_norms.sum(1).square() + grad_floor * act_norms.sum(1).square())
-    return relative + underflow + tokens**2 * act_floor * grad_floor  # [B*g]
+    return relative + underflow + tokens**2 * act_floor * grad_floor  # [N]
 
 
-def _norm_upper_bounds(rows: torch.Tensor) -> torch.Tensor:
-    """``[N, T]`` float64 upper bounds on the norms of the ``d``-vectors of ``rows`` (``[N, T, d]``), from a norm in
-    ``rows``' own dtype: its sum of squares errs by at most ``γ_d`` relative plus ``d·η`` (squares below ``η``
-    flushed), so ``‖x‖ ≤ (‖x‖^ + √(d·η)) / (1 − γ_{d+2})`` (the square root adds one rounding)."""
-    width = rows.shape[2]
-    computed = torch.linalg.vector_norm(rows, dim=2).double()  # computed: [N, T]
-    return (computed + math.sqrt(width * _FLOAT32_SMALLEST_NORMAL)) / (1 - _gamma(width + 2))
+class GramBounds:
+    """The rounding bounds (:func:`gram_error_bound`) of a microbatch's ghost norms, deferred and computed together
+    for the layers whose kept tensors have one shape: two token norms per layer and about thirty small operations
+    per shape, instead of about thirty per layer (a ViT's blocks repeat a few shapes). Each row gets exactly the
+    bound :func:`gram_error_bound` gives it; :meth:`total` sums them over the layers."""
+
+    def __init__(self) -> None:
+        self.groups: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+
+    def add(self, acts: torch.Tensor, grads: torch.Tensor, length: int) -> None:
+        """Defers the bound of the ghost norms of ``acts`` ``[N, T, d_in]`` and ``grads`` ``[N, T, d_out]``."""
+        key = (*acts.shape, grads.shape[2], length, acts.dtype, grads.dtype, acts.device)
+        act_norms, grad_norms = self.groups.setdefault(key, ([], []))
+        act_norms.append(torch.linalg.vector_norm(acts, dim=2))  # [N, T]
+        grad_norms.append(torch.linalg.vector_norm(grads, dim=2))  # [N, T]
+
+    def total(self, batch_size: int, device: torch.device) -> torch.Tensor:
+        """``[B]`` float64: each sample's sum of the deferred bounds (rows ``N = B·g``, ``g`` groups per sample)."""
+        total = torch.zeros(batch_size, dtype=torch.float64, device=device)
+        for (rows, _, d_in, d_out, length, *_), (act_norms, grad_norms) in self.groups.items():
+            bounds = bound_from_token_norms(torch.cat(act_norms), d_in, torch.cat(grad_norms), d_out, length)
+            total += bounds.view(len(act_norms), rows).sum(0).view(batch_size, -1).sum(1).to(device)  # [B]
+        return total
+
+
+def _norm_upper_bounds(computed: torch.Tensor, width: int) -> torch.Tensor:
+    """``[N, T]`` float64 upper bounds on the norms of ``width``-vectors whose norms ``computed`` (``[N, T]``) were
+    taken in the vectors' own dtype: its sum of squares errs by at most ``γ_d`` relative plus ``d·η`` (squares below
+    ``η`` flushed), so ``‖x‖ ≤ (‖x‖^ + √(d·η)) / (1 − γ_{d+2})`` (the square root adds one rounding)."""
+    return (computed.double() + math.sqrt(width * _FLOAT32_SMALLEST_NORMAL)) / (1 - _gamma(width + 2))
 
 
 def _underflow_error(width: int, norms: torch.Tensor) -> torch.Tensor:
@@ -221,8 +255,10 @@ class Rule:
         else:
             self.per_sample[param] = grads
 
-    def squared_norms(self, batch_size: int, device: torch.device) -> torch.Tensor:
-        """``[B]`` squared per-sample gradient norms over this rule's parameters (0 for an unused layer)."""
+    def squared_norms(self, batch_size: int, device: torch.device, bounds: GramBounds | None = None) -> torch.Tensor:
+        """``[B]`` squared per-sample gradient norms over this rule's parameters (0 for an unused layer). A rule whose
+        norms need a rounding bound either adds it, or, given ``bounds``, defers it there: the caller then adds
+        ``bounds.total()``."""
         total = torch.zeros(batch_size, device=device, dtype=torch.float32)
         for grads in self.per_sample.values():
             flat = grads.reshape(batch_size, -1)  # flat: [B, numel]
@@ -290,7 +326,7 @@ class MatmulRule(Rule):
         dtype = _compute_dtype(*self.ghost_inputs, *self.ghost_grads)
         return _joined(self.ghost_inputs, dtype), _joined(self.ghost_grads, dtype)
 
-    def squared_norms(self, batch_size: int, device: torch.device) -> torch.Tensor:
+    def squared_norms(self, batch_size: int, device: torch.device, bounds: GramBounds | None = None) -> torch.Tensor:
         total = super().squared_norms(batch_size, device)
         if self.ghost_inputs:
             acts, grads = self._ghost_pair()
@@ -300,7 +336,11 @@ class MatmulRule(Rule):
                 act_gram = torch.bmm(acts, acts.transpose(1, 2))  # act_gram: [B*g, T, T]
                 grad_gram = torch.bmm(grads, grads.transpose(1, 2))  # grad_gram: [B*g, T, T]
                 ghost = torch.linalg.vecdot(act_gram.flatten(1).double(), grad_gram.flatten(1).double())  # [B*g]
-            ghost = ghost + gram_error_bound(acts, grads, acts.shape[2] + grads.shape[2])
+            length = acts.shape[2] + grads.shape[2]
+            if bounds is None:
+                ghost = ghost + gram_error_bound(acts, grads, length)
+            else:
+                bounds.add(acts, grads, length)
             total += ghost.view(batch_size, -1).sum(1).float()
         return total
 
@@ -483,7 +523,7 @@ class EmbeddingRule(Rule):
         self.grads.append(grads)
         self.keep(indices, grads)
 
-    def squared_norms(self, batch_size: int, device: torch.device) -> torch.Tensor:
+    def squared_norms(self, batch_size: int, device: torch.device, bounds: GramBounds | None = None) -> torch.Tensor:
         total = super().squared_norms(batch_size, device)
         if self.grads:
             indices, grads = torch.cat(self.indices, 1), torch.cat(self.grads, 1)

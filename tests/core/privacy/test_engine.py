@@ -288,9 +288,9 @@ def test_the_noise_is_drawn_during_the_backward_only_on_cores_torch_leaves_idle(
     started_after_backward = []
     norms = per_sample.MatmulRule.squared_norms
 
-    def spy(rule, batch, device):
+    def spy(rule, batch, device, *bounds):
         started_after_backward.append(len(clipped.noise.futures))
-        return norms(rule, batch, device)
+        return norms(rule, batch, device, *bounds)
 
     monkeypatch.setattr(per_sample.MatmulRule, "squared_norms", spy)
     drawn_before_sums = []
@@ -639,6 +639,21 @@ def test_the_float32_rounding_bound_is_never_below_its_exact_value():
     assert bool((per_sample.gram_error_bound(acts, grads, length) >= exact).all())
     assert bool((per_sample.gram_error_bound(None, grads, 3072) >= 1.01 * per_sample._gamma(3072)
                  * grads.double().norm(dim=2).sum(1).square()).all())
+
+
+def test_the_deferred_rounding_bounds_of_layers_of_one_shape_are_each_layers_own_bound_summed():
+    """Three layers, two of one shape, with two groups per sample (N = B·g rows): the deferred bounds add up, per
+    sample, to each layer's own :func:`gram_error_bound`."""
+    torch.manual_seed(0)
+    batch, groups = 3, 2
+    layers = [(torch.randn(batch * groups, 7, 5) * 10.0**k, torch.randn(batch * groups, 7, 9)) for k in (-2, 0, 3)]
+    layers.append((torch.randn(batch * groups, 4, 11), torch.randn(batch * groups, 4, 6)))  # another shape
+    bounds = per_sample.GramBounds()
+    for acts, grads in layers:
+        bounds.add(acts, grads, acts.shape[2] + grads.shape[2])
+    each = sum(per_sample.gram_error_bound(a, g, a.shape[2] + g.shape[2]).view(batch, groups).sum(1) for a, g in layers)
+    assert len(bounds.groups) == 2
+    assert torch.allclose(bounds.total(batch, torch.device("cpu")), each, rtol=1e-12, atol=0)
 
 
 def test_a_loss_that_is_not_per_sample_is_refused():
