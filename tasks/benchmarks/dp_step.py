@@ -41,6 +41,11 @@ device span of each ``vip.*`` range (:func:`_kernel_seconds`). On a GPU the
 engine draws the noise on the device (two Philox generators per tensor), so ``noise_wait`` is absent; the
 ``noise_ns_per_coordinate_*`` figures stay those of the CPU sampler (the path of CPU training).
 
+``--width W`` sets every encoder and decoder width to ``W`` (one attention head), the preset's depths, patches and
+tokens kept: the same layers and operations at so little compute that a step's time is its host's (Python and
+kernel dispatch). ``--preset vip-base --img-size 32 --batch 2 --width 48`` on a CPU measures what paces a GPU's
+ViP-Base DP step at batches up to 256 (about 11,000 operations a step on the first H200 leases).
+
 ``nonprivate_cpu_s`` and ``dp_cpu_s``: the median CPU seconds this process spent in a step (every thread). On
 a GPU a step whose CPU seconds come near its wall seconds is paced by the host (Python and kernel launches),
 not by the device: the H200's ViP-Base DP step at batch 128 took 0.184 s of each.
@@ -71,7 +76,7 @@ NOISE_ROUNDS = 7  # timed, after one untimed round (the helpers' scratch memory 
 def bench_dp_step(
     *, preset: str, img_size: int, batch: int, repeats: int, warmup: int, threads: int, opacus: bool, seed: int,
     precision: str = "fp32", microbatches: int = 1, device: str = "cpu", secure: bool = True,
-    tensor_cores: bool = False,
+    tensor_cores: bool = False, width: int | None = None,
 ) -> dict[str, Any]:
     """Times and measures every mode on the MAE of ``preset`` at ``img_size``, a logical step being
     ``microbatches`` physical batches of ``batch``; returns the figures."""
@@ -89,13 +94,14 @@ def bench_dp_step(
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Full backward hook", category=UserWarning)
             return _bench(preset, img_size, batch, repeats, warmup, opacus, seed, precision, microbatches, where,
-                          secure, tensor_cores)
+                          secure, tensor_cores, width)
     finally:
         torch.set_num_threads(previous_threads)
 
 
 def _bench(preset: str, img_size: int, batch: int, repeats: int, warmup: int, opacus: bool, seed: int,
-           precision: str, microbatches: int, device: Any, secure: bool, tensor_cores: bool) -> dict[str, Any]:
+           precision: str, microbatches: int, device: Any, secure: bool, tensor_cores: bool,
+           width: int | None) -> dict[str, Any]:
     import torch
 
     from vip_core.config import get_preset, with_overrides
@@ -104,7 +110,7 @@ def _bench(preset: str, img_size: int, batch: int, repeats: int, warmup: int, op
     patch = config.model.patch_size
     if img_size % patch:
         raise ValueError(f"--img-size {img_size} is not a multiple of the preset's patch size {patch}")
-    config = with_overrides(config, {"model.img_size": img_size})
+    config = with_overrides(config, {"model.img_size": img_size, **_narrowed(width)})
     torch.manual_seed(seed)
     images = torch.randn(microbatches * batch, 3, img_size, img_size)  # images: [K*B, 3, S, S]
     steps = _step_functions(config, images.to(device), batch, opacus, precision, secure, tensor_cores)
@@ -113,7 +119,7 @@ def _bench(preset: str, img_size: int, batch: int, repeats: int, warmup: int, op
     phases = {name: (_kernel_seconds if device.type == "cuda" else _phase_medians)(steps[name][0])
               for name in ("nonprivate", "dp")}
     result: dict[str, Any] = {
-        "preset": preset, "img_size": img_size, "batch": batch, "microbatches": microbatches,
+        "preset": preset, "img_size": img_size, "width": width, "batch": batch, "microbatches": microbatches,
         "repeats": repeats, "precision": precision, "device": _device_name(device),
         "threads": torch.get_num_threads(),
         "nonprivate_s": seconds["nonprivate"], "dp_s": seconds["dp"],
@@ -142,6 +148,14 @@ def _bench(preset: str, img_size: int, batch: int, repeats: int, warmup: int, op
     if opacus:
         result["opacus_model"] = "the same MAE modules re-assembled with cls/mask tokens in submodules (opacus_mae)"
     return result
+
+
+def _narrowed(width: int | None) -> dict[str, int]:
+    """The model overrides of ``--width``: every encoder and decoder width ``width``, one attention head each."""
+    if width is None:
+        return {}
+    return {"model.embed_dim": width, "model.num_heads": 1, "model.decoder_embed_dim": width,
+            "model.decoder_num_heads": 1}
 
 
 # ------------------------------------------------------------------------------------------------ the modes

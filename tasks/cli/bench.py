@@ -37,6 +37,10 @@ def _register_dp_step(benchmarks: Any) -> None:
     parser.add_argument("--no-secure", action="store_true", help="skip the secure-mode private step")
     parser.add_argument("--tensor-core-sums", action="store_true",
                         help="also time the private step with privacy.tensor_core_sums (CUDA, bf16)")
+    parser.add_argument("--width", type=count(1), default=None,
+                        help="every encoder and decoder width set to this, one attention head (the preset's depths "
+                        "and tokens kept): so little compute that a step's time is its host's, Python and dispatch, "
+                        "as in a GPU step at a small batch")
     add_precision(parser)
     add_device(parser)
     parser.add_argument("--seed", type=int, default=0)
@@ -127,7 +131,7 @@ def handle_dp_step(args: argparse.Namespace) -> int:
     result = bench_dp_step(preset=args.preset, img_size=args.img_size, batch=args.batch, repeats=args.repeats,
                            warmup=args.warmup, threads=args.threads, opacus=not args.no_opacus, seed=args.seed,
                            precision=args.precision, microbatches=args.microbatches, device=args.device,
-                           secure=not args.no_secure, tensor_cores=args.tensor_core_sums)
+                           secure=not args.no_secure, tensor_cores=args.tensor_core_sums, width=args.width)
     return _report(args, result, [f"{key:>28}: {value}" for key, value in result.items()])
 
 

@@ -53,6 +53,15 @@ def test_bench_without_the_secure_mode_times_the_others_and_the_tensor_core_sums
     assert result["dp_tensor_cores_ratio"] > 0 and result["dp_tensor_cores_peak_mem_ratio"] > 0
 
 
+def test_bench_at_a_narrow_width_times_the_presets_layers_with_little_compute(capsys):
+    args = ["bench", "dp-step", "--json", "--preset", "vip-base", "--img-size", "32", "--batch", "2", "--repeats", "1",
+            "--warmup", "0", "--no-opacus", "--no-secure"]
+    assert main([*args, "--width", "16"]) == 0
+    narrow = json.loads(capsys.readouterr().out)
+    assert narrow["width"] == 16 and narrow["dp_ratio"] > 0 and narrow["max_abs_err_vs_naive"] < 1e-5
+    assert narrow["dp_peak_mb"] < 20  # ViP-Base's 12 + 8 blocks at width 16, not its 99 M parameters
+
+
 def test_bench_refuses_microbatches_with_the_opacus_modes(capsys):
     assert main(["bench", "dp-step", "--json", "--microbatches", "2"]) == 2
     assert "--no-opacus" in capsys.readouterr().err
