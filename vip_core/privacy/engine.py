@@ -212,36 +212,41 @@ class ClippedGradientSum:
             raise
 
 
+HELPER_DRAWN_DEVICES = frozenset({"cpu"})  # device types whose noise helper threads draw; the others draw their own
+
+
 class _StepNoise:
     """A step's noise, one :class:`GaussianDraw` over the trainable parameters (none when σ = 0).
 
-    The CPU parameters' noise is one flat float32 vector, tensor ``len(params)`` of the draw (no parameter's
-    index), each parameter's share a view of it, in ``params`` order: one allocation per step, and blocks of the
-    draw that span parameters, so that the helper threads get one task per block rather than one or more per
-    parameter. :meth:`start` allocates it (on the calling thread) and hands its blocks to helper threads: as
-    many as the cores torch's threads leave idle, whose draws start when the first backward reaches a layer
-    (:meth:`start_early`), or else ``torch.get_num_threads()``, which draw everything before the clipped sums
-    (:meth:`draw_all`) while the calling thread waits. A CUDA parameter's noise is drawn on the device at
-    :meth:`settle` (tensor index: its position in ``params``). :meth:`settle` waits for a parameter's noise and
-    makes it the start of its running sum: each parameter's noise enters the sum exactly once, whatever the
-    number of microbatches.
+    Each device's parameters share one flat float32 noise vector, each parameter's share a view of it, in
+    ``params`` order: one allocation per device and step, and a handful of draws instead of one or more per
+    parameter. The vectors are tensors ``len(params)`` (the CPU's), ``len(params) + 1``, ``len(params) + 2``, ...
+    (the other devices', in the order their first parameter comes) of the draw. The CPU's is drawn by helper threads,
+    block by block (blocks span parameters): :meth:`start` allocates it (on the calling thread) and hands its blocks to
+    helpers, as many as the cores torch's threads leave idle, whose draws start when the first backward reaches a
+    layer (:meth:`start_early`), or else ``torch.get_num_threads()``, which draw everything before the clipped sums
+    (:meth:`draw_all`) while the calling thread waits. Another device's is drawn on the device, whole, when
+    :meth:`settle` first needs it. :meth:`settle` waits for a parameter's noise and makes it the start of its
+    running sum: each parameter's noise enters the sum exactly once, whatever the number of microbatches.
     """
 
     def __init__(self, params: list[nn.Parameter], draw: GaussianDraw | None) -> None:
         self.draw = draw
-        self.index = {param: i for i, param in enumerate(params)}
-        self.offsets: dict[nn.Parameter, int] = {}  # a CPU parameter's first coordinate in the flat vector
-        self.size = 0  # the flat vector's length
+        self.shares: dict[nn.Parameter, tuple[torch.device, int]] = {}  # each parameter's device and first coordinate
+        self.sizes: dict[torch.device, int] = {}  # each device's flat vector's length, in the order devices come
         for param in params:
-            if param.device.type == "cpu":
-                self.offsets[param] = self.size
-                self.size += param.numel()
-        self.flat: torch.Tensor | None = None  # [size] float32, once started
-        self.futures: list[Future] = []  # one per block of the flat vector
+            offset = self.sizes.get(param.device, 0)
+            self.shares[param] = (param.device, offset)
+            self.sizes[param.device] = offset + param.numel()
+        others = [device for device in self.sizes if device.type not in HELPER_DRAWN_DEVICES]
+        self.helped = next((device for device in self.sizes if device.type in HELPER_DRAWN_DEVICES), None)
+        self.indices = {self.helped: len(params), **{device: len(params) + 1 + k for k, device in enumerate(others)}}
+        self.flats: dict[torch.device, torch.Tensor] = {}  # each device's flat vector, once started
+        self.futures: list[Future] = []  # one per block of the helped device's flat vector
         self.settled: set[nn.Parameter] = set()
         self.early = False
         self.pool: ThreadPoolExecutor | None = None
-        if draw is not None and self.size:
+        if draw is not None and self.helped is not None:
             idle_cores = usable_cores() - torch.get_num_threads()
             self.early = idle_cores > 0
             helpers = idle_cores if self.early else max(1, torch.get_num_threads())
@@ -253,12 +258,13 @@ class _StepNoise:
             self.start()
 
     def start(self) -> None:
-        """Starts drawing the CPU parameters' noise (once)."""
-        if self.pool is None or self.flat is not None:
+        """Starts the helpers drawing the CPU parameters' noise (once)."""
+        if self.pool is None or self.helped in self.flats:
             return
-        self.flat = torch.empty(self.size, dtype=torch.float32, device="cpu")
-        self.futures = [self.pool.submit(self.draw.fill, len(self.index), self.flat, block)
-                        for block in GaussianDraw.blocks(self.size)]
+        size = self.sizes[self.helped]
+        flat = self.flats[self.helped] = torch.empty(size, dtype=torch.float32, device=self.helped)
+        self.futures = [self.pool.submit(self.draw.fill, self.indices[self.helped], flat, block)
+                        for block in GaussianDraw.blocks(size)]
 
     def draw_all(self) -> None:
         """:meth:`start`; when the helpers have no idle cores of their own, also waits for every draw, so that they
@@ -278,29 +284,32 @@ class _StepNoise:
         for param in params:
             if param in self.settled:
                 continue
-            if param in self.offsets:
-                noise = self._cpu_share(param)
-            else:
-                noise = self.draw.tensor(self.index[param], tuple(param.shape), dtype=param.dtype, device=param.device)
+            noise = self._share(param)
             if param in sums:
                 noise.add_(sums[param])
             sums[param] = noise
             self.settled.add(param)
-        if len(self.settled) == len(self.index) and self.pool is not None:
+        if len(self.settled) == len(self.shares) and self.pool is not None:
             self.pool.shutdown(wait=False)
 
-    def _cpu_share(self, param: nn.Parameter) -> torch.Tensor:
-        """``param``'s view of the flat noise, once the blocks it spans are drawn (a copy when ``param`` is not
-        float32)."""
-        start = self.offsets[param]
+    def _share(self, param: nn.Parameter) -> torch.Tensor:
+        """``param``'s view of its device's flat noise, once drawn (a copy when ``param`` is not float32)."""
+        device, start = self.shares[param]
         stop = start + param.numel()
-        waits = [self.futures[block] for block in GaussianDraw.blocks_spanning(start, stop)]
+        if device == self.helped:
+            self._wait(GaussianDraw.blocks_spanning(start, stop))
+        elif device not in self.flats:
+            self.flats[device] = self.draw.tensor(self.indices[device], (self.sizes[device],), device=device)
+        return self.flats[device][start:stop].view(param.shape).to(param.dtype)
+
+    def _wait(self, blocks: range) -> None:
+        """Waits for the helpers' ``blocks``, raising what a helper raised."""
+        waits = [self.futures[block] for block in blocks]
         if not all(future.done() for future in waits):
             with record_function("vip.noise_wait"):
                 wait(waits)
         for future in waits:
-            future.result()  # raises what a helper raised
-        return self.flat[start:stop].view(param.shape).to(param.dtype)
+            future.result()
 
     def stop(self) -> None:
         """Stops the helper threads, pending draws cancelled."""

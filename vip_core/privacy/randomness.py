@@ -58,6 +58,7 @@ _TWO_64 = 1 << 64
 _CHUNK = 1 << 22  # Poisson draws per chunk: bounds the memory of one step's draw over a large data set
 _SECURE_SUMMANDS = 4  # Holohan and Braghin: the sum of 4 N(0, 1/4) draws
 NOISE_BLOCK = 1 << 20  # Gaussian coordinates per independently keyed generator of a GaussianDraw
+_DEVICE_CHUNK = 1 << 24  # coordinates per call of a device draw's second generator: 64 MiB of transient memory
 # Box-Muller pairs per vectorised chunk of a noise block (fixed: it orders the draws). Large enough that the
 # helper threads seldom contend for the GIL between numpy calls (2^14 scaled 1.2x on two threads, 2^16 1.75x).
 _PAIRS_PER_CHUNK = 1 << 16
@@ -231,16 +232,25 @@ class GaussianDraw:
         return noise.to(device=device, dtype=dtype)
 
     def _cuda_normal(self, index: int, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-        """The mean of two device Philox draws, each keyed by a 64-bit seed and a 62-bit offset of this tensor."""
+        """The mean of two device Philox draws, each keyed by a 64-bit seed and a 62-bit offset of this tensor; the
+        second is added ``_DEVICE_CHUNK`` coordinates at a time, so that a step's one draw of every parameter needs no
+        second parameter-sized buffer (a tensor of at most one chunk gets one call of each generator)."""
         words = np.random.SeedSequence(self._key, spawn_key=(index,)).generate_state(4, dtype=np.uint64)
-        total = None
-        for seed, offset in ((int(words[0]), int(words[1])), (int(words[2]), int(words[3]))):
-            generator = torch.Generator(device=device)
-            generator.manual_seed(seed)
-            generator.set_offset((offset >> 2) << 2)  # Philox offsets are multiples of 4
-            draw = torch.randn(shape, generator=generator, device=device, dtype=torch.float32)
-            total = draw if total is None else total.add_(draw)
+        first, second = (_philox(int(words[k]), int(words[k + 1]), device) for k in (0, 2))
+        total = torch.randn(shape, generator=first, device=device, dtype=torch.float32)
+        flat = total.view(-1)  # [numel]
+        for start in range(0, flat.numel(), _DEVICE_CHUNK):
+            part = flat[start:start + _DEVICE_CHUNK]
+            part.add_(torch.randn(part.shape, generator=second, device=device, dtype=torch.float32))
         return total.mul_(self.std / math.sqrt(2.0))
+
+
+def _philox(seed: int, offset: int, device: torch.device) -> torch.Generator:
+    """A device generator seeded with ``seed`` (64 bits) at ``offset`` (62 bits; Philox offsets are multiples of 4)."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    generator.set_offset((offset >> 2) << 2)
+    return generator
 
 
 class _Scratch:

@@ -239,6 +239,22 @@ def test_the_cpu_noise_is_one_flat_draw_whose_consecutive_shares_go_to_the_param
     assert len({p.grad.untyped_storage().data_ptr() for p in params}) == 1  # views of one buffer
 
 
+def test_a_device_whose_noise_no_helper_draws_gets_one_flat_draw_of_its_own_index(monkeypatch):
+    """As a CUDA device's parameters: one draw of the device's flat vector (tensor index len(params) + 1, the first
+    device no helper draws), split among its parameters in order, and no helper threads."""
+    from vip_core.privacy import engine
+
+    monkeypatch.setattr(engine, "HELPER_DRAWN_DEVICES", frozenset())
+    model = nn.Sequential(nn.Linear(30, 70), nn.LayerNorm(70), nn.Linear(70, 70))
+    params = list(model.parameters())
+    clipped = ClippedGradientSum(model, max_grad_norm=0.5, noise_multiplier=2.0, noise=RandomStream(9, 0, "noise"))
+    clipped.add(lambda m, x: m(x).sum(-1), torch.empty(0, 30))
+    clipped.privatize(expected_batch_size=1.0)
+    flat = GaussianDraw(RandomStream(9, 0, "noise"), 1.0).tensor(len(params) + 1, (sum(p.numel() for p in params),))
+    assert clipped.noise.pool is None
+    assert torch.equal(torch.cat([p.grad.flatten() for p in params]), flat)
+
+
 @pytest.mark.parametrize("start, stop, blocks", [(0, 0, []), (5, 5, []), (0, 1, [0]), (0, 1000, [0]), (999, 1001, [0, 1]),
                                                  (1000, 2000, [1]), (1500, 3001, [1, 2, 3])])
 def test_the_blocks_spanning_a_share_of_the_noise(monkeypatch, start, stop, blocks):

@@ -279,3 +279,18 @@ def test_device_noise_is_keyed_by_the_stream_and_has_the_asked_standard_deviatio
     c = RandomStream(seed ^ (1 << 100), 0, "noise").normal((1_000_000,), 0.5, device=device)
     assert a.device.type == "cuda" and torch.equal(a, b) and not torch.equal(a, c)
     assert a.std().item() == pytest.approx(0.5, rel=0.01) and math.isfinite(a.sum().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_device_draw_larger_than_a_chunk_is_keyed_and_has_the_asked_standard_deviation():
+    """Past ``_DEVICE_CHUNK`` the second generator is added chunk by chunk: still deterministic, still N(0, std²)
+    throughout (the last chunk included), no chunk a copy of another."""
+    device, chunk = torch.device("cuda"), randomness._DEVICE_CHUNK
+    seed = private_entropy()
+    a = RandomStream(seed, 0, "noise").normal((2 * chunk + 1000,), 0.5, device=device)
+    b = RandomStream(seed, 0, "noise").normal((2 * chunk + 1000,), 0.5, device=device)
+    assert torch.equal(a, b)
+    for part in (a[:chunk], a[chunk:2 * chunk], a[2 * chunk:]):
+        assert part.std().item() == pytest.approx(0.5, rel=0.05) and abs(part.mean().item()) < 0.05
+    assert not torch.equal(a[:1000], a[chunk:chunk + 1000])
