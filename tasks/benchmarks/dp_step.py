@@ -116,8 +116,8 @@ def _bench(preset: str, img_size: int, batch: int, repeats: int, warmup: int, op
     steps = _step_functions(config, images.to(device), batch, opacus, precision, secure, tensor_cores)
     seconds, cpu_seconds = _interleaved_medians(steps, repeats, warmup)
     peaks = {name: _peak_bytes(step, state) for name, (step, state) in steps.items()}
-    phases = {name: (_kernel_seconds if device.type == "cuda" else _phase_medians)(steps[name][0])
-              for name in ("nonprivate", "dp")}
+    phases = {name: _kernel_seconds(steps[name][0]) if device.type == "cuda" else _phase_medians(steps[name][0], names)
+              for name, names in PHASES.items()}
     result: dict[str, Any] = {
         "preset": preset, "img_size": img_size, "width": width, "batch": batch, "microbatches": microbatches,
         "repeats": repeats, "precision": precision, "device": _device_name(device),
@@ -380,10 +380,15 @@ def _interleaved_medians(
 PROFILED_ROUNDS = 3
 
 
-def _phase_medians(step: Callable[[], None]) -> dict[str, float]:
+PHASES = {"nonprivate": ("forward", "backward", "optimizer"),
+          "dp": ("forward", "backward", "norms", "clipped_sum", "noise_wait", "optimizer")}
+
+
+def _phase_medians(step: Callable[[], None], phases: tuple[str, ...]) -> dict[str, float]:
     """Seconds in each ``vip.*`` phase of one step (the ranges the engine and the steps label: forward,
-    backward, norms, clipped_sum with the noise_wait inside it, optimizer), the median over
-    ``PROFILED_ROUNDS`` steps run under torch's profiler (whose own overhead they include)."""
+    backward, norms, clipped_sum with the noise_wait inside it, optimizer; 0 for one a step never entered, such as
+    noise_wait when the noise was drawn before it was needed), the median over ``PROFILED_ROUNDS`` steps run under
+    torch's profiler (whose own overhead they include)."""
     from torch.profiler import ProfilerActivity, profile
 
     rounds: list[dict[str, float]] = []
@@ -392,7 +397,7 @@ def _phase_medians(step: Callable[[], None]) -> dict[str, float]:
             step()
         rounds.append({event.key.removeprefix("vip."): event.cpu_time_total / 1e6
                        for event in profiler.key_averages() if event.key.startswith("vip.")})
-    return {name: statistics.median(r.get(name, 0.0) for r in rounds) for name in sorted(rounds[0])}
+    return {name: statistics.median(r.get(name, 0.0) for r in rounds) for name in sorted(set(phases).union(*rounds))}
 
 
 TOP_KERNELS = 12

@@ -40,7 +40,8 @@ def test_bench_dp_step_times_a_logical_step_of_several_microbatches_phase_by_pha
     assert result["microbatches"] == 3 and result["batch"] == 4
     assert set(result["phases_s"]["nonprivate"]) == {"forward", "backward", "optimizer"}
     assert set(result["phases_s"]["dp"]) == {"forward", "backward", "norms", "clipped_sum", "noise_wait", "optimizer"}
-    assert all(seconds > 0 for mode in result["phases_s"].values() for seconds in mode.values())
+    waited = result["phases_s"]["dp"].pop("noise_wait")  # 0 when the noise was drawn before it was needed
+    assert waited >= 0 and all(seconds > 0 for mode in result["phases_s"].values() for seconds in mode.values())
 
 
 def test_bench_without_the_secure_mode_times_the_others_and_the_tensor_core_sums_when_asked(capsys):
