@@ -246,7 +246,7 @@ class _StepNoise:
         self.settled: set[nn.Parameter] = set()
         self.early = False
         self.pool: ThreadPoolExecutor | None = None
-        if draw is not None and self.helped is not None:
+        if draw is not None and self.helped is not None and self.sizes[self.helped]:
             idle_cores = usable_cores() - torch.get_num_threads()
             self.early = idle_cores > 0
             helpers = idle_cores if self.early else max(1, torch.get_num_threads())
@@ -259,12 +259,13 @@ class _StepNoise:
 
     def start(self) -> None:
         """Starts the helpers drawing the CPU parameters' noise (once)."""
-        if self.pool is None or self.helped in self.flats:
+        if self.draw is None or self.helped is None or self.helped in self.flats:
             return
         size = self.sizes[self.helped]
         flat = self.flats[self.helped] = torch.empty(size, dtype=torch.float32, device=self.helped)
-        self.futures = [self.pool.submit(self.draw.fill, self.indices[self.helped], flat, block)
-                        for block in GaussianDraw.blocks(size)]
+        if self.pool is not None:  # none when every CPU parameter is empty
+            self.futures = [self.pool.submit(self.draw.fill, self.indices[self.helped], flat, block)
+                            for block in GaussianDraw.blocks(size)]
 
     def draw_all(self) -> None:
         """:meth:`start`; when the helpers have no idle cores of their own, also waits for every draw, so that they
@@ -293,14 +294,21 @@ class _StepNoise:
             self.pool.shutdown(wait=False)
 
     def _share(self, param: nn.Parameter) -> torch.Tensor:
-        """``param``'s view of its device's flat noise, once drawn (a copy when ``param`` is not float32)."""
+        """``param``'s view of its device's flat noise, once drawn. A parameter that is not float32 gets a copy in its
+        dtype, and its share of the flat vector is zeroed: the other parameters' gradients are views of that vector,
+        and whoever saves one saves the whole storage, which must not hold this parameter's noise apart from its sum."""
         device, start = self.shares[param]
         stop = start + param.numel()
         if device == self.helped:
             self._wait(GaussianDraw.blocks_spanning(start, stop))
         elif device not in self.flats:
             self.flats[device] = self.draw.tensor(self.indices[device], (self.sizes[device],), device=device)
-        return self.flats[device][start:stop].view(param.shape).to(param.dtype)
+        share = self.flats[device][start:stop].view(param.shape)
+        if param.dtype == torch.float32:
+            return share
+        noise = share.to(param.dtype)
+        share.zero_()
+        return noise
 
     def _wait(self, blocks: range) -> None:
         """Waits for the helpers' ``blocks``, raising what a helper raised."""

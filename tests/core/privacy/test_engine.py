@@ -255,6 +255,26 @@ def test_a_device_whose_noise_no_helper_draws_gets_one_flat_draw_of_its_own_inde
     assert torch.equal(torch.cat([p.grad.flatten() for p in params]), flat)
 
 
+def test_the_shared_noise_storage_keeps_no_noise_of_a_parameter_that_is_not_float32():
+    """The float32 gradients are views of one buffer: saving one saves it all. A float64 layer's noise is copied out
+    of it, and must not stay there for someone to subtract from that layer's gradient."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2).double())
+    privatized_gradients(model, lambda m, x: m[1](m[0](x).double()).sum(-1), torch.empty(0, 4), max_grad_norm=1.0,
+                         noise_multiplier=1.0, expected_batch_size=1.0, noise=RandomStream(3, 0, "noise"))
+    storage = torch.tensor([]).set_(model[0].bias.grad.untyped_storage())  # [every parameter's coordinates]
+    first = sum(p.numel() for p in model[0].parameters())
+    assert bool((storage[first:] == 0).all()) and bool((storage[:first] != 0).all())
+    assert bool((model[1].weight.grad != 0).all())
+
+
+def test_a_model_whose_only_parameters_are_empty_gets_empty_noise():
+    model = nn.Module()
+    model.token = nn.Parameter(torch.zeros(1, 0))
+    privatized_gradients(model, lambda m, x: x.sum(-1) + m.token.sum(), torch.ones(2, 3), max_grad_norm=1.0,
+                         noise_multiplier=1.0, expected_batch_size=2.0, noise=RandomStream(3, 0, "noise"))
+    assert model.token.grad.shape == (1, 0)
+
+
 @pytest.mark.parametrize("start, stop, blocks", [(0, 0, []), (5, 5, []), (0, 1, [0]), (0, 1000, [0]), (999, 1001, [0, 1]),
                                                  (1000, 2000, [1]), (1500, 3001, [1, 2, 3])])
 def test_the_blocks_spanning_a_share_of_the_noise(monkeypatch, start, stop, blocks):
