@@ -216,7 +216,7 @@ class PrivateStep(TrainingStep):
                                      tensor_core_sums=self.plan.tensor_core_sums)
         clipped.add(loss_fn, inputs, physical_batch_size=self.physical_batch_size)
         stats = clipped.privatize(expected_batch_size=self.plan.batch_size)
-        all_reduce_gradients(trainable_parameters(self.model))
+        all_reduce_gradients(clipped.plan.params)  # the trainable parameters
         return all_reduce_sum(stats.loss_sum), all_reduce_sum(stats.examples)
 
     def _account(self) -> float | None:

@@ -275,6 +275,17 @@ def test_a_model_whose_only_parameters_are_empty_gets_empty_noise():
     assert model.token.grad.shape == (1, 0)
 
 
+def test_the_plan_lists_the_trainable_parameters_in_model_order_without_the_frozen_ones():
+    from vip_core.privacy.engine import plan_model
+
+    vit = tiny_vit()
+    vit.blocks[0].norm1.weight.requires_grad_(False)
+    vit.cls_token.requires_grad_(False)
+    trainable = [p for p in vit.parameters() if p.requires_grad]
+    params = plan_model(vit).params
+    assert len(params) == len(trainable) and all(a is b for a, b in zip(params, trainable))
+
+
 @pytest.mark.parametrize("start, stop, blocks", [(0, 0, []), (5, 5, []), (0, 1, [0]), (0, 1000, [0]), (999, 1001, [0, 1]),
                                                  (1000, 2000, [1]), (1500, 3001, [1, 2, 3])])
 def test_the_blocks_spanning_a_share_of_the_noise(monkeypatch, start, stop, blocks):
