@@ -48,7 +48,7 @@ from torch.func import functional_call
 from torch.profiler import record_function
 
 from vip_core.privacy.per_sample import (
-    RULES, TENSOR_CORE_MIN_CLIP, GramBounds, PlainRule, Rule, Sums, has_tensor_cores,
+    RULES, TENSOR_CORE_MIN_CLIP, GramBounds, PlainRule, Rule, Sums, decide_conditioning, has_tensor_cores,
 )
 from vip_core.privacy.randomness import GaussianDraw, RandomStream
 
@@ -517,6 +517,7 @@ class _Tape:
         self.on_gradient = on_gradient
         self.anchor = torch.zeros((), requires_grad=True)
         self.rules: list[tuple[nn.Module, Rule]] = [(m, factory(n, m)) for n, m, factory in plan.layers]
+        decide_conditioning([rule for _, rule in self.rules])
         self.handles: list[Any] = []
 
     def __enter__(self) -> "_Tape":

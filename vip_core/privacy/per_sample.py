@@ -471,7 +471,17 @@ class LayerNormRule(Rule):
         bias = module.bias if module.bias is not None and module.bias.requires_grad else None
         super().__init__(name, [p for p in (weight, bias) if p is not None])
         self.module, self.weight, self.bias = module, weight, bias
-        self.invertible = weight is not None and _well_conditioned(weight.detach(), module.bias)
+        # 0-dim bool on the weight's device; read by :attr:`invertible`, or for many rules at once by
+        # :func:`decide_conditioning` (on a GPU each read is a device sync)
+        self.conditioned = None if weight is None else _well_conditioned(weight.detach(), module.bias)
+        self._invertible: bool | None = None if weight is not None else False
+
+    @property
+    def invertible(self) -> bool:
+        """Whether the weight gradient divides by the weight (see the class) rather than normalising again."""
+        if self._invertible is None:
+            self._invertible = bool(self.conditioned)
+        return self._invertible
 
     def record(self, inputs: torch.Tensor, output: torch.Tensor | None, output_grad: torch.Tensor) -> None:
         shape = self.module.normalized_shape
@@ -496,10 +506,22 @@ class LayerNormRule(Rule):
         return (grads * normalized.reshape_as(grads)).sum(1)
 
 
-def _well_conditioned(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether dividing by ``weight`` after subtracting ``bias`` keeps the rounding near float precision."""
+def _well_conditioned(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Whether dividing by ``weight`` after subtracting ``bias`` keeps the rounding near float precision (0-dim bool)."""
     scale = bias.detach().abs() / 100 if bias is not None else torch.zeros_like(weight)
-    return bool(((weight.abs() > scale) & (weight != 0)).all())
+    return ((weight.abs() > scale) & (weight != 0)).all()
+
+
+def decide_conditioning(rules: list[Rule]) -> None:
+    """Reads :attr:`LayerNormRule.invertible` of every LayerNorm rule in ``rules`` with one transfer per device, not
+    one per layer (each a device sync on a GPU: a ViT has two dozen LayerNorms)."""
+    undecided: dict[torch.device, list[LayerNormRule]] = {}
+    for rule in rules:
+        if isinstance(rule, LayerNormRule) and rule._invertible is None:
+            undecided.setdefault(rule.conditioned.device, []).append(rule)
+    for group in undecided.values():
+        for rule, flag in zip(group, torch.stack([rule.conditioned for rule in group]).tolist()):
+            rule._invertible = flag
 
 
 class EmbeddingRule(Rule):

@@ -137,6 +137,20 @@ def test_conv_layernorm_shared_linear_and_child_token(monkeypatch, materialise):
     assert_matches_reference(MixedNet(), classification_loss, inputs, max_grad_norm=0.1)
 
 
+def test_layernorms_whose_weights_are_zero_or_small_beside_their_bias_give_the_exact_clipped_sum():
+    """Two LayerNorms decided together: one whose weight can be divided by, one with a zero and a small weight beside
+    its bias, whose weight gradient must come from normalising its input again."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.LayerNorm(6), nn.Linear(6, 6), nn.LayerNorm(6), nn.Linear(6, 1))
+    with torch.no_grad():
+        model[3].weight.copy_(torch.tensor([1.0, 0.0, 1e-4, 2.0, -1.0, 0.5]))
+        model[3].bias.fill_(1.0)
+    rules = [per_sample.LayerNormRule("a", model[1]), per_sample.LayerNormRule("b", model[3])]
+    per_sample.decide_conditioning(rules)
+    assert [rule.invertible for rule in rules] == [True, False]
+    assert_matches_reference(model, lambda m, x: m(x).sum((1, 2)), torch.randn(6, 3, 5), 0.3)
+
+
 def test_embedding_with_padding_and_repeated_indices():
     torch.manual_seed(0)
     tokens = torch.tensor([[1, 1, 2, 0], [3, 0, 0, 3], [4, 5, 6, 7], [2, 2, 2, 2]])
