@@ -130,11 +130,11 @@ class ClippedGradientSum:
     parameters' noise is drawn on helper threads into one flat buffer, each parameter's share a view of it, and
     the clipped sums are added into those views: for float32 parameters it needs no second parameter-sized
     buffer (the privatized gradients are views of it too). When torch leaves cores idle, the helpers use them
-    while the first backward runs (the draw starts when the backward reaches its first layer); otherwise the helpers draw it all
-    once the first microbatch's clip factors are known, before its clipped sums, because helpers competing with
-    torch's threads for the cores would slow its matmuls more than the draw costs. The values do not depend on
-    the threads or the microbatches. One object sums and privatizes one logical batch: after :meth:`privatize`,
-    or after a call that failed part-way, it refuses to go on.
+    while the first backward runs (the draw starts when the backward reaches its first layer); otherwise the
+    helpers draw it all once the first microbatch's clip factors are known, before its clipped sums, because
+    helpers competing with torch's threads for the cores would slow its matmuls more than the draw costs. The
+    values do not depend on the threads or the microbatches. One object sums and privatizes one logical batch:
+    after :meth:`privatize`, or after a call that failed part-way, it refuses to go on.
 
     Args:
         model: the model (see :func:`privatized_gradients` for what it may contain).
@@ -238,8 +238,8 @@ class _StepNoise:
             offset = self.sizes.get(param.device, 0)
             self.shares[param] = (param.device, offset)
             self.sizes[param.device] = offset + param.numel()
-        others = [device for device in self.sizes if device.type not in HELPER_DRAWN_DEVICES]
         self.helped = next((device for device in self.sizes if device.type in HELPER_DRAWN_DEVICES), None)
+        others = [device for device in self.sizes if device != self.helped]  # each draws its own
         self.indices = {self.helped: len(params), **{device: len(params) + 1 + k for k, device in enumerate(others)}}
         self.flats: dict[torch.device, torch.Tensor] = {}  # each device's flat vector, once started
         self.futures: list[Future] = []  # one per block of the helped device's flat vector

@@ -146,8 +146,8 @@ class GramBounds:
 
 def _norm_upper_bounds(computed: torch.Tensor, width: int) -> torch.Tensor:
     """``[N, T]`` float64 upper bounds on the norms of ``width``-vectors whose norms ``computed`` (``[N, T]``) were
-    taken in the vectors' own dtype: its sum of squares errs by at most ``γ_d`` relative plus ``d·η`` (squares below
-    ``η`` flushed), so ``‖x‖ ≤ (‖x‖^ + √(d·η)) / (1 − γ_{d+2})`` (the square root adds one rounding)."""
+    taken in the vectors' own dtype: its sum of squares errs by at most ``γ_d`` relative plus ``d·η`` (squares
+    below ``η`` flushed), so ``‖x‖ ≤ (‖x‖^ + √(d·η)) / (1 − γ_{d+2})`` (the square root adds one rounding)."""
     return (computed.double() + math.sqrt(width * _FLOAT32_SMALLEST_NORMAL)) / (1 - _gamma(width + 2))
 
 
@@ -507,7 +507,8 @@ class LayerNormRule(Rule):
 
 
 def _well_conditioned(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """Whether dividing by ``weight`` after subtracting ``bias`` keeps the rounding near float precision (0-dim bool)."""
+    """Whether dividing by ``weight`` after subtracting ``bias`` keeps the rounding near float precision (0-dim
+    bool)."""
     scale = bias.detach().abs() / 100 if bias is not None else torch.zeros_like(weight)
     return ((weight.abs() > scale) & (weight != 0)).all()
 

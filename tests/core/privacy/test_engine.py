@@ -248,7 +248,8 @@ def test_the_cpu_noise_is_one_flat_draw_whose_consecutive_shares_go_to_the_param
     privatized_gradients(model, lambda m, x: m(x).sum(-1), torch.empty(0, 30), max_grad_norm=clip,
                          noise_multiplier=sigma, expected_batch_size=1.0, noise=RandomStream(9, 0, "noise"))
     params = list(model.parameters())
-    flat = GaussianDraw(RandomStream(9, 0, "noise"), sigma * clip).tensor(len(params), (sum(p.numel() for p in params),))
+    size = sum(p.numel() for p in params)
+    flat = GaussianDraw(RandomStream(9, 0, "noise"), sigma * clip).tensor(len(params), (size,))
     assert torch.equal(torch.cat([p.grad.flatten() for p in params]), flat)  # every coordinate once, none shared
     assert len({p.grad.untyped_storage().data_ptr() for p in params}) == 1  # views of one buffer
 
@@ -300,8 +301,54 @@ def test_the_plan_lists_the_trainable_parameters_in_model_order_without_the_froz
     assert len(params) == len(trainable) and all(a is b for a, b in zip(params, trainable))
 
 
-@pytest.mark.parametrize("start, stop, blocks", [(0, 0, []), (5, 5, []), (0, 1, [0]), (0, 1000, [0]), (999, 1001, [0, 1]),
-                                                 (1000, 2000, [1]), (1500, 3001, [1, 2, 3])])
+def test_the_deferred_bounds_give_the_squared_norms_of_each_layer_bounding_its_own(monkeypatch):
+    """Engine level: grouped convolutions, a layer called twice, microbatches of unequal sizes and a sample that is not
+    finite: the squared norms clipping sees with the bounds deferred are those with each layer adding its own."""
+    from vip_core.privacy import engine
+
+    monkeypatch.setattr(per_sample, "materialise_is_cheaper", lambda *args: False)
+    seen, clip_factors = [], engine.clip_factors
+
+    def spy(squared, clip):
+        seen.append(squared.clone())
+        return clip_factors(squared, clip)
+
+    monkeypatch.setattr(engine, "clip_factors", spy)
+    torch.manual_seed(0)
+    model, inputs = MixedNet(), torch.randn(5, 3, 8, 8)
+    inputs[3, 0, 0, 0] = float("inf")
+    runs = []
+    for inline in (False, True):
+        if inline:
+            squared_norms = per_sample.MatmulRule.squared_norms
+            monkeypatch.setattr(per_sample.MatmulRule, "squared_norms",
+                                lambda rule, batch, device, bounds=None: squared_norms(rule, batch, device))
+        seen.clear()
+        engine_grads(model, lambda m, x: m(x).sum(-1), inputs, 1.0, physical=2)
+        runs.append(torch.cat(seen))
+    deferred, inline = runs
+    assert torch.equal(deferred.isfinite(), inline.isfinite()) and int((~inline.isfinite()).sum()) == 1
+    finite = inline.isfinite()
+    assert torch.allclose(deferred[finite], inline[finite], rtol=1e-6, atol=0)
+
+
+def test_a_parameter_that_is_not_float32_on_a_device_that_draws_its_own_noise_leaves_none_in_the_storage(monkeypatch):
+    from vip_core.privacy import engine
+
+    monkeypatch.setattr(engine, "HELPER_DRAWN_DEVICES", frozenset())
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2).to(torch.bfloat16))
+    privatized_gradients(model, lambda m, x: m[1](m[0](x).to(torch.bfloat16)).float().sum(-1), torch.empty(0, 4),
+                         max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=1.0,
+                         noise=RandomStream(3, 0, "noise"))
+    storage = torch.tensor([]).set_(model[0].bias.grad.untyped_storage())
+    first = sum(p.numel() for p in model[0].parameters())
+    assert bool((storage[first:] == 0).all()) and bool((storage[:first] != 0).all())
+    assert model[1].weight.grad.dtype == torch.bfloat16 and bool((model[1].weight.grad != 0).all())
+
+
+@pytest.mark.parametrize("start, stop, blocks", [
+    (0, 0, []), (5, 5, []), (0, 1, [0]), (0, 1000, [0]), (999, 1001, [0, 1]), (1000, 2000, [1]), (1500, 3001, [1, 2, 3]),
+])
 def test_the_blocks_spanning_a_share_of_the_noise(monkeypatch, start, stop, blocks):
     from vip_core.privacy import randomness
 
