@@ -393,17 +393,26 @@ def plan_model(model: nn.Module) -> ModelPlan:
             qualified = f"{module_name}.{param_name}" if module_name else param_name
             _check_plain(qualified, module_name, module, param)
             plain.append((qualified, param))
+    if _lists_its_own_parameters(model):  # then model.parameters() is not what the walk above saw
+        return ModelPlan(layers, plain, [p for p in model.parameters() if p.requires_grad])
     return ModelPlan(layers, plain, list(owners))
 
 
 def _own_trainable_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
-    """``module.named_parameters(recurse=False)``'s trainable ones, read from the module's own table (a tenth of
-    the host time: the plan is made every step)."""
+    """``module.named_parameters(recurse=False)``'s trainable ones, read from the module's own table unless its class
+    lists its parameters itself (a tenth of the host time: the plan is made every step)."""
+    items = module.named_parameters(recurse=False) if _lists_its_own_parameters(module) else module._parameters.items()
     trainable: dict[str, nn.Parameter] = {}
-    for name, param in module._parameters.items():
+    for name, param in items:
         if param is not None and param.requires_grad and all(param is not seen for seen in trainable.values()):
             trainable[name] = param
     return trainable
+
+
+def _lists_its_own_parameters(module: nn.Module) -> bool:
+    """Whether ``module``'s class overrides ``named_parameters`` or ``parameters`` (which may then add or hide some)."""
+    cls = type(module)
+    return cls.named_parameters is not nn.Module.named_parameters or cls.parameters is not nn.Module.parameters
 
 
 def _reject_batch_norm(name: str, module: nn.Module) -> None:

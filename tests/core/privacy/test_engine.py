@@ -346,6 +346,32 @@ def test_a_parameter_that_is_not_float32_on_a_device_that_draws_its_own_noise_le
     assert model[1].weight.grad.dtype == torch.bfloat16 and bool((model[1].weight.grad != 0).all())
 
 
+class ListsAnUnregisteredParameter(nn.Sequential):
+    """A model whose named_parameters adds a parameter that no module registers: the optimiser trains it."""
+
+    def __init__(self) -> None:
+        super().__init__(nn.Linear(4, 4))
+        self.hidden = [nn.Parameter(torch.zeros(1, 4))]
+
+    def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
+        yield from super().named_parameters(prefix, recurse, remove_duplicate)
+        yield "x", self.hidden[0]
+
+    def forward(self, x):
+        return super().forward(x + self.hidden[0])
+
+
+def test_a_parameter_only_a_models_own_named_parameters_lists_is_planned_and_refused_unused():
+    """The review's case: read from the modules' tables alone, the extra parameter escaped the plan (no clipping, no
+    noise, its stale gradient kept) while the optimiser trained it."""
+    from vip_core.privacy.engine import plan_model
+
+    model = ListsAnUnregisteredParameter()
+    assert any(p is model.hidden[0] for p in plan_model(model).params)
+    with pytest.raises(UnsupportedLayerError, match="'x'"):
+        engine_grads(model, lambda m, x: m(x).pow(2).sum(1), torch.randn(8, 4), 1.0)
+
+
 @pytest.mark.parametrize("start, stop, blocks", [
     (0, 0, []), (5, 5, []), (0, 1, [0]), (0, 1000, [0]), (999, 1001, [0, 1]), (1000, 2000, [1]), (1500, 3001, [1, 2, 3]),
 ])
