@@ -48,7 +48,8 @@ from torch.func import functional_call
 from torch.profiler import record_function
 
 from vip_core.privacy.per_sample import (
-    RULES, TENSOR_CORE_MIN_CLIP, GramBounds, PlainRule, Rule, Sums, decide_conditioning, has_tensor_cores,
+    RULES, TENSOR_CORE_MIN_CLIP, GramBounds, PlainRule, Rule, Sums, add_materialised_sums, decide_conditioning,
+    has_tensor_cores, materialised_squared_norms,
 )
 from vip_core.privacy.randomness import GaussianDraw, RandomStream
 
@@ -626,20 +627,27 @@ def _add_microbatch(
                 rule.check_kept()
                 squared += rule.squared_norms(batch, device, bounds).to(device)
             squared += bounds.total(batch, device).float()  # the ghost norms' rounding bounds
+            squared += materialised_squared_norms(_materialised(rules), batch, device)
             factors, finite = clip_factors(squared, max_grad_norm)
             if not bool(finite.all()):
                 for rule in rules:
                     rule.zero_samples(finite)
         with record_function("vip.clipped_sum"):
             noise.draw_all()
+            noise.settle([param for rule in rules for param in rule.params], sums)
+            add_materialised_sums(_materialised(rules), factors, sums)
             for rule in rules:
-                noise.settle(rule.params, sums)
                 rule.check_kept()
-                rule.add_clipped_sum(factors, sums, tensor_cores=tensor_core_sums)
+                rule.add_clipped_sum(factors, sums, tensor_cores=tensor_core_sums, materialised=False)
     total.examples += batch
     total.loss_sum += losses.detach().float().sum()
     total.clipped += ((squared.sqrt() > max_grad_norm) & finite).sum()
     total.non_finite += (~finite).sum()
+
+
+def _materialised(rules: list[Rule]) -> list[tuple[nn.Parameter, torch.Tensor]]:
+    """Every rule's materialised per-sample gradients, with their parameters."""
+    return [(param, grads) for rule in rules for param, grads in rule.per_sample.items()]
 
 
 @contextlib.contextmanager

@@ -63,6 +63,45 @@ def add_product_to_sum(sums: Sums, param: nn.Parameter, left: torch.Tensor, righ
         add_to_sum(sums, param, torch.mm(left, right))  # [m, n]
 
 
+STACKED_ELEMENTS = 1 << 24  # the most elements the grouped materialised norms and sums stack at once (64 MiB float32)
+
+
+def _same_shape_groups(per_sample: list[tuple[nn.Parameter, torch.Tensor]]) -> list[list[tuple[nn.Parameter, torch.Tensor]]]:
+    """``per_sample`` (materialised per-sample gradients ``[B, *shape]`` with their parameters) in groups of one shape,
+    dtype and device, each of at most :data:`STACKED_ELEMENTS` elements (or one tensor)."""
+    groups: dict[tuple, list[list[tuple[nn.Parameter, torch.Tensor]]]] = {}
+    for param, grads in per_sample:
+        chunks = groups.setdefault((tuple(grads.shape), grads.dtype, grads.device), [[]])
+        if chunks[-1] and (len(chunks[-1]) + 1) * grads.numel() > STACKED_ELEMENTS:
+            chunks.append([])
+        chunks[-1].append((param, grads))
+    return [chunk for chunks in groups.values() for chunk in chunks]
+
+
+def materialised_squared_norms(per_sample: list[tuple[nn.Parameter, torch.Tensor]], batch_size: int,
+                               device: torch.device) -> torch.Tensor:
+    """``[B]`` float32: each sample's squared norm over the materialised per-sample gradients of every rule
+    (``(param, [B, *param.shape])`` pairs), one stacked reduction per shape instead of one per parameter."""
+    total = torch.zeros(batch_size, device=device, dtype=torch.float32)
+    for group in _same_shape_groups(per_sample):
+        stacked = torch.stack([grads.reshape(batch_size, -1) for _, grads in group])  # stacked: [L, B, numel]
+        total += torch.linalg.vecdot(stacked, stacked).sum(0).float().to(device)  # [B]
+    return total
+
+
+def add_materialised_sums(per_sample: list[tuple[nn.Parameter, torch.Tensor]], factors: torch.Tensor,
+                          sums: Sums) -> None:
+    """``sums[param] += Σᵢ factorsᵢ · gᵢ`` for every ``(param, [B, *param.shape])`` pair, one stacked product per
+    shape instead of one per parameter."""
+    for group in _same_shape_groups(per_sample):
+        batch = group[0][1].shape[0]
+        stacked = torch.stack([grads.reshape(batch, -1) for _, grads in group])  # stacked: [L, B, numel]
+        weights = factors.to(stacked.dtype).expand(len(group), 1, batch)  # weights: [L, 1, B]
+        weighted = torch.bmm(weights, stacked).squeeze(1)  # weighted: [L, numel]
+        for (param, _), row in zip(group, weighted):
+            add_to_sum(sums, param, row)
+
+
 def _add_weighted(sums: Sums, param: nn.Parameter, factors: torch.Tensor, per_sample: torch.Tensor) -> None:
     """``sums[param] += Σᵢ factorsᵢ · per_sampleᵢ``; per_sample: [B, *param.shape]."""
     weighted = torch.mv(per_sample.reshape(per_sample.shape[0], -1).t(), factors.to(per_sample.dtype))  # [numel]
@@ -256,20 +295,25 @@ class Rule:
             self.per_sample[param] = grads
 
     def squared_norms(self, batch_size: int, device: torch.device, bounds: GramBounds | None = None) -> torch.Tensor:
-        """``[B]`` squared per-sample gradient norms over this rule's parameters (0 for an unused layer). A rule whose
-        norms need a rounding bound either adds it, or, given ``bounds``, defers it there: the caller then adds
-        ``bounds.total()``."""
+        """``[B]`` squared per-sample gradient norms over this rule's parameters (0 for an unused layer). Given
+        ``bounds``, the caller takes the materialised per-sample gradients' part (:func:`materialised_squared_norms`)
+        and the ghost norms' rounding bounds (``bounds.total()``) for every rule at once; without, the rule adds
+        them itself."""
         total = torch.zeros(batch_size, device=device, dtype=torch.float32)
-        for grads in self.per_sample.values():
-            flat = grads.reshape(batch_size, -1)  # flat: [B, numel]
-            total += torch.linalg.vecdot(flat, flat).float()
+        if bounds is None:
+            for grads in self.per_sample.values():
+                flat = grads.reshape(batch_size, -1)  # flat: [B, numel]
+                total += torch.linalg.vecdot(flat, flat).float()
         return total
 
-    def add_clipped_sum(self, factors: torch.Tensor, sums: Sums, *, tensor_cores: bool = False) -> None:
+    def add_clipped_sum(self, factors: torch.Tensor, sums: Sums, *, tensor_cores: bool = False,
+                        materialised: bool = True) -> None:
         """Adds ``Σᵢ factorsᵢ · gᵢ`` to ``sums`` for each parameter of this rule (on tensor cores where
-        ``tensor_cores`` is set and the rule can: :class:`MatmulRule`)."""
-        for param, grads in self.per_sample.items():
-            _add_weighted(sums, param, factors, grads)
+        ``tensor_cores`` is set and the rule can: :class:`MatmulRule`); the materialised per-sample gradients' part
+        only with ``materialised`` (else the caller adds it for every rule at once, :func:`add_materialised_sums`)."""
+        if materialised:
+            for param, grads in self.per_sample.items():
+                _add_weighted(sums, param, factors, grads)
 
     def zero_samples(self, keep: torch.Tensor) -> None:
         """Drops the samples where ``keep`` ([B] bool) is False from every stored tensor."""
@@ -327,7 +371,7 @@ class MatmulRule(Rule):
         return _joined(self.ghost_inputs, dtype), _joined(self.ghost_grads, dtype)
 
     def squared_norms(self, batch_size: int, device: torch.device, bounds: GramBounds | None = None) -> torch.Tensor:
-        total = super().squared_norms(batch_size, device)
+        total = super().squared_norms(batch_size, device, bounds)
         if self.ghost_inputs:
             acts, grads = self._ghost_pair()
             if acts.shape[1] == 1:  # 1 x 1 Grams
@@ -344,8 +388,9 @@ class MatmulRule(Rule):
             total += ghost.view(batch_size, -1).sum(1).float()
         return total
 
-    def add_clipped_sum(self, factors: torch.Tensor, sums: Sums, *, tensor_cores: bool = False) -> None:
-        super().add_clipped_sum(factors, sums)
+    def add_clipped_sum(self, factors: torch.Tensor, sums: Sums, *, tensor_cores: bool = False,
+                        materialised: bool = True) -> None:
+        super().add_clipped_sum(factors, sums, materialised=materialised)
         if not self.ghost_inputs:
             return
         if tensor_cores and self.groups == 1 and self._splits():
@@ -547,7 +592,7 @@ class EmbeddingRule(Rule):
         self.keep(indices, grads)
 
     def squared_norms(self, batch_size: int, device: torch.device, bounds: GramBounds | None = None) -> torch.Tensor:
-        total = super().squared_norms(batch_size, device)
+        total = super().squared_norms(batch_size, device, bounds)
         if self.grads:
             indices, grads = torch.cat(self.indices, 1), torch.cat(self.grads, 1)
             same = indices.unsqueeze(2) == indices.unsqueeze(1)  # same: [B, T, T]
@@ -556,7 +601,8 @@ class EmbeddingRule(Rule):
             total += (squared + gram_error_bound(None, grads, grads.shape[2])).float()
         return total
 
-    def add_clipped_sum(self, factors: torch.Tensor, sums: Sums, *, tensor_cores: bool = False) -> None:
+    def add_clipped_sum(self, factors: torch.Tensor, sums: Sums, *, tensor_cores: bool = False,
+                        materialised: bool = True) -> None:
         """In float64, whatever ``tensor_cores`` says: a sample's many tokens on one row, summed in float32, could
         lose more than its norm's rounding bound allows (each small term swallowed by a large partial sum that later
         cancels)."""

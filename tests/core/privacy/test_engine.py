@@ -121,6 +121,21 @@ def test_timm_vit_gives_the_exact_clipped_sum(monkeypatch, materialise):
     assert_matches_reference(tiny_vit(), classification_loss, inputs, max_grad_norm=0.05, physical=4)
 
 
+@pytest.mark.parametrize("stacked", [1 << 24, 200], ids=["whole-shapes", "small-stacks"])
+def test_materialised_gradients_taken_together_by_shape_give_the_exact_clipped_sum(monkeypatch, stacked):
+    """Every bias, LayerNorm parameter, token and (materialised) weight of a ViT, their norms and sums taken one
+    stack per shape, or in stacks cut at 200 elements: the clipped sum of the one-at-a-time reference."""
+    monkeypatch.setattr(per_sample, "materialise_is_cheaper", lambda *_: True)
+    monkeypatch.setattr(per_sample, "STACKED_ELEMENTS", stacked)
+    torch.manual_seed(0)
+    inputs = {"x": torch.randn(6, 3, 16, 16), "y": torch.randint(0, 3, (6,))}
+    assert_matches_reference(tiny_vit(), classification_loss, inputs, max_grad_norm=0.05, physical=4)
+    pairs = [(i, torch.zeros(4, 30)) for i in range(5)] + [(9, torch.zeros(4, 500))]
+    groups = per_sample._same_shape_groups(pairs)
+    expected = [[0, 1, 2, 3, 4], [9]] if stacked > 1000 else [[0], [1], [2], [3], [4], [9]]  # 120 elements each
+    assert [[param for param, _ in group] for group in groups] == expected
+
+
 def test_mae_gives_the_exact_clipped_sum_with_its_tokens():
     torch.manual_seed(0)
     mae = tiny_mae()
@@ -317,12 +332,23 @@ def test_the_deferred_bounds_give_the_squared_norms_of_each_layer_bounding_its_o
     torch.manual_seed(0)
     model, inputs = MixedNet(), torch.randn(5, 3, 8, 8)
     inputs[3, 0, 0, 0] = float("inf")
+    class EachLayersOwn(per_sample.GramBounds):
+        """Each layer's bound as gram_error_bound gives it, when the layer hands it over."""
+
+        def __init__(self):
+            super().__init__()
+            self.rows = []
+
+        def add(self, acts, grads, length):
+            self.rows.append(per_sample.gram_error_bound(acts, grads, length))
+
+        def total(self, batch_size, device):
+            return sum(rows.view(batch_size, -1).sum(1) for rows in self.rows)
+
     runs = []
     for inline in (False, True):
         if inline:
-            squared_norms = per_sample.MatmulRule.squared_norms
-            monkeypatch.setattr(per_sample.MatmulRule, "squared_norms",
-                                lambda rule, batch, device, bounds=None: squared_norms(rule, batch, device))
+            monkeypatch.setattr(engine, "GramBounds", EachLayersOwn)
         seen.clear()
         engine_grads(model, lambda m, x: m(x).sum(-1), inputs, 1.0, physical=2)
         runs.append(torch.cat(seen))
