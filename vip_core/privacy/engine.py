@@ -48,8 +48,8 @@ from torch.func import functional_call
 from torch.profiler import record_function
 
 from vip_core.privacy.per_sample import (
-    RULES, TENSOR_CORE_MIN_CLIP, GramBounds, PlainRule, Rule, Sums, add_materialised_sums, decide_conditioning,
-    has_tensor_cores, materialised_squared_norms,
+    RULES, TENSOR_CORE_MIN_CLIP, GramBounds, PerSample, PlainRule, Rule, Sums, add_materialised_sums,
+    decide_conditioning, has_tensor_cores, materialised_squared_norms,
 )
 from vip_core.privacy.randomness import GaussianDraw, RandomStream
 
@@ -625,7 +625,7 @@ def _add_microbatch(
             bounds = GramBounds()
             for rule in rules:
                 rule.check_kept()
-                squared += rule.squared_norms(batch, device, bounds).to(device)
+                squared += rule.squared_norms(batch, device, bounds, materialised=False).to(device)
             squared += bounds.total(batch, device).float()  # the ghost norms' rounding bounds
             squared += materialised_squared_norms(_materialised(rules), batch, device)
             factors, finite = clip_factors(squared, max_grad_norm)
@@ -645,7 +645,7 @@ def _add_microbatch(
     total.non_finite += (~finite).sum()
 
 
-def _materialised(rules: list[Rule]) -> list[tuple[nn.Parameter, torch.Tensor]]:
+def _materialised(rules: list[Rule]) -> PerSample:
     """Every rule's materialised per-sample gradients, with their parameters."""
     return [(param, grads) for rule in rules for param, grads in rule.per_sample.items()]
 

@@ -66,10 +66,13 @@ def add_product_to_sum(sums: Sums, param: nn.Parameter, left: torch.Tensor, righ
 STACKED_ELEMENTS = 1 << 24  # the most elements the grouped materialised norms and sums stack at once (64 MiB float32)
 
 
-def _same_shape_groups(per_sample: list[tuple[nn.Parameter, torch.Tensor]]) -> list[list[tuple[nn.Parameter, torch.Tensor]]]:
+PerSample = list[tuple[nn.Parameter, torch.Tensor]]  # materialised per-sample gradients with their parameters
+
+
+def _same_shape_groups(per_sample: PerSample) -> list[PerSample]:
     """``per_sample`` (materialised per-sample gradients ``[B, *shape]`` with their parameters) in groups of one shape,
     dtype and device, each of at most :data:`STACKED_ELEMENTS` elements (or one tensor)."""
-    groups: dict[tuple, list[list[tuple[nn.Parameter, torch.Tensor]]]] = {}
+    groups: dict[tuple, list[PerSample]] = {}
     for param, grads in per_sample:
         chunks = groups.setdefault((tuple(grads.shape), grads.dtype, grads.device), [[]])
         if chunks[-1] and (len(chunks[-1]) + 1) * grads.numel() > STACKED_ELEMENTS:
@@ -78,8 +81,7 @@ def _same_shape_groups(per_sample: list[tuple[nn.Parameter, torch.Tensor]]) -> l
     return [chunk for chunks in groups.values() for chunk in chunks]
 
 
-def materialised_squared_norms(per_sample: list[tuple[nn.Parameter, torch.Tensor]], batch_size: int,
-                               device: torch.device) -> torch.Tensor:
+def materialised_squared_norms(per_sample: PerSample, batch_size: int, device: torch.device) -> torch.Tensor:
     """``[B]`` float32: each sample's squared norm over the materialised per-sample gradients of every rule
     (``(param, [B, *param.shape])`` pairs), one stacked reduction per shape instead of one per parameter."""
     total = torch.zeros(batch_size, device=device, dtype=torch.float32)
@@ -89,8 +91,7 @@ def materialised_squared_norms(per_sample: list[tuple[nn.Parameter, torch.Tensor
     return total
 
 
-def add_materialised_sums(per_sample: list[tuple[nn.Parameter, torch.Tensor]], factors: torch.Tensor,
-                          sums: Sums) -> None:
+def add_materialised_sums(per_sample: PerSample, factors: torch.Tensor, sums: Sums) -> None:
     """``sums[param] += Σᵢ factorsᵢ · gᵢ`` for every ``(param, [B, *param.shape])`` pair, one stacked product per
     shape instead of one per parameter."""
     for group in _same_shape_groups(per_sample):
@@ -100,12 +101,6 @@ def add_materialised_sums(per_sample: list[tuple[nn.Parameter, torch.Tensor]], f
         weighted = torch.bmm(weights, stacked).squeeze(1)  # weighted: [L, numel]
         for (param, _), row in zip(group, weighted):
             add_to_sum(sums, param, row)
-
-
-def _add_weighted(sums: Sums, param: nn.Parameter, factors: torch.Tensor, per_sample: torch.Tensor) -> None:
-    """``sums[param] += Σᵢ factorsᵢ · per_sampleᵢ``; per_sample: [B, *param.shape]."""
-    weighted = torch.mv(per_sample.reshape(per_sample.shape[0], -1).t(), factors.to(per_sample.dtype))  # [numel]
-    add_to_sum(sums, param, weighted)
 
 
 _FLOAT32_UNIT_ROUNDOFF = 2.0**-24
@@ -294,17 +289,15 @@ class Rule:
         else:
             self.per_sample[param] = grads
 
-    def squared_norms(self, batch_size: int, device: torch.device, bounds: GramBounds | None = None) -> torch.Tensor:
-        """``[B]`` squared per-sample gradient norms over this rule's parameters (0 for an unused layer). Given
-        ``bounds``, the caller takes the materialised per-sample gradients' part (:func:`materialised_squared_norms`)
-        and the ghost norms' rounding bounds (``bounds.total()``) for every rule at once; without, the rule adds
-        them itself."""
-        total = torch.zeros(batch_size, device=device, dtype=torch.float32)
-        if bounds is None:
-            for grads in self.per_sample.values():
-                flat = grads.reshape(batch_size, -1)  # flat: [B, numel]
-                total += torch.linalg.vecdot(flat, flat).float()
-        return total
+    def squared_norms(self, batch_size: int, device: torch.device, bounds: GramBounds | None = None, *,
+                      materialised: bool = True) -> torch.Tensor:
+        """``[B]`` squared per-sample gradient norms over this rule's parameters (0 for an unused layer). The caller
+        may take two parts for every rule at once: the ghost norms' rounding bounds, deferred to ``bounds`` when
+        given (then it adds ``bounds.total()``), and, without ``materialised``, the materialised per-sample
+        gradients' part (:func:`materialised_squared_norms`)."""
+        if materialised:
+            return materialised_squared_norms(list(self.per_sample.items()), batch_size, device)
+        return torch.zeros(batch_size, device=device, dtype=torch.float32)
 
     def add_clipped_sum(self, factors: torch.Tensor, sums: Sums, *, tensor_cores: bool = False,
                         materialised: bool = True) -> None:
@@ -312,8 +305,7 @@ class Rule:
         ``tensor_cores`` is set and the rule can: :class:`MatmulRule`); the materialised per-sample gradients' part
         only with ``materialised`` (else the caller adds it for every rule at once, :func:`add_materialised_sums`)."""
         if materialised:
-            for param, grads in self.per_sample.items():
-                _add_weighted(sums, param, factors, grads)
+            add_materialised_sums(list(self.per_sample.items()), factors, sums)
 
     def zero_samples(self, keep: torch.Tensor) -> None:
         """Drops the samples where ``keep`` ([B] bool) is False from every stored tensor."""
@@ -370,8 +362,9 @@ class MatmulRule(Rule):
         dtype = _compute_dtype(*self.ghost_inputs, *self.ghost_grads)
         return _joined(self.ghost_inputs, dtype), _joined(self.ghost_grads, dtype)
 
-    def squared_norms(self, batch_size: int, device: torch.device, bounds: GramBounds | None = None) -> torch.Tensor:
-        total = super().squared_norms(batch_size, device, bounds)
+    def squared_norms(self, batch_size: int, device: torch.device, bounds: GramBounds | None = None, *,
+                      materialised: bool = True) -> torch.Tensor:
+        total = super().squared_norms(batch_size, device, bounds, materialised=materialised)
         if self.ghost_inputs:
             acts, grads = self._ghost_pair()
             if acts.shape[1] == 1:  # 1 x 1 Grams
@@ -591,8 +584,9 @@ class EmbeddingRule(Rule):
         self.grads.append(grads)
         self.keep(indices, grads)
 
-    def squared_norms(self, batch_size: int, device: torch.device, bounds: GramBounds | None = None) -> torch.Tensor:
-        total = super().squared_norms(batch_size, device, bounds)
+    def squared_norms(self, batch_size: int, device: torch.device, bounds: GramBounds | None = None, *,
+                      materialised: bool = True) -> torch.Tensor:
+        total = super().squared_norms(batch_size, device, bounds, materialised=materialised)
         if self.grads:
             indices, grads = torch.cat(self.indices, 1), torch.cat(self.grads, 1)
             same = indices.unsqueeze(2) == indices.unsqueeze(1)  # same: [B, T, T]

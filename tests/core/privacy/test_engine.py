@@ -448,9 +448,9 @@ def test_the_noise_is_drawn_during_the_backward_only_on_cores_torch_leaves_idle(
     started_after_backward = []
     norms = per_sample.MatmulRule.squared_norms
 
-    def spy(rule, batch, device, *bounds):
+    def spy(rule, batch, device, *args, **options):
         started_after_backward.append(len(clipped.noise.futures))
-        return norms(rule, batch, device, *bounds)
+        return norms(rule, batch, device, *args, **options)
 
     monkeypatch.setattr(per_sample.MatmulRule, "squared_norms", spy)
     drawn_before_sums = []
