@@ -191,9 +191,10 @@ class ClippedGradientSum:
         self.closed = "was privatized already: its noise is spent, so it cannot sum or privatize another batch"
         with self._closed_on_error():
             self.noise.settle(self.plan.params, self.sums)
+        divided = self.noise.divide_in_place(self.sums, expected_batch_size)
         for param in self.plan.params:
             total = self.sums.pop(param) if param in self.sums else torch.zeros_like(param)
-            param.grad = total.div_(expected_batch_size)
+            param.grad = total if param in divided else total.div_(expected_batch_size)
         t = self.totals
         return StepStats(t.examples, float(t.loss_sum), int(t.clipped), int(t.non_finite))
 
@@ -244,7 +245,7 @@ class _StepNoise:
         self.indices = {self.helped: len(params), **{device: len(params) + 1 + k for k, device in enumerate(others)}}
         self.flats: dict[torch.device, torch.Tensor] = {}  # each device's flat vector, once started
         self.futures: list[Future] = []  # one per block of the helped device's flat vector
-        self.settled: set[nn.Parameter] = set()
+        self.settled: dict[nn.Parameter, torch.Tensor] = {}  # each settled parameter's noise, its running sum's start
         self.early = False
         self.pool: ThreadPoolExecutor | None = None
         if draw is not None and self.helped is not None and self.sizes[self.helped]:
@@ -290,9 +291,18 @@ class _StepNoise:
             if param in sums:
                 noise.add_(sums[param])
             sums[param] = noise
-            self.settled.add(param)
+            self.settled[param] = noise
         if len(self.settled) == len(self.shares) and self.pool is not None:
             self.pool.shutdown(wait=False)
+
+    def divide_in_place(self, sums: Sums, divisor: float) -> set[nn.Parameter]:
+        """Divides every flat noise vector by ``divisor`` in place, one operation per vector instead of one per
+        parameter, and returns the parameters whose running sum in ``sums`` is still the very view of a vector that
+        :meth:`settle` made it (divided with it); every other sum is the caller's to divide."""
+        for flat in self.flats.values():
+            flat.div_(divisor)
+        return {param for param, noise in self.settled.items()
+                if sums.get(param) is noise and noise.dtype == torch.float32}
 
     def _share(self, param: nn.Parameter) -> torch.Tensor:
         """``param``'s view of its device's flat noise, once drawn. A parameter that is not float32 gets a copy in its

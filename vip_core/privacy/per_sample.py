@@ -509,16 +509,14 @@ class LayerNormRule(Rule):
         bias = module.bias if module.bias is not None and module.bias.requires_grad else None
         super().__init__(name, [p for p in (weight, bias) if p is not None])
         self.module, self.weight, self.bias = module, weight, bias
-        # 0-dim bool on the weight's device; read by :attr:`invertible`, or for many rules at once by
-        # :func:`decide_conditioning` (on a GPU each read is a device sync)
-        self.conditioned = None if weight is None else _well_conditioned(weight.detach(), module.bias)
+        # decided on first read of :attr:`invertible`, or for many rules at once by :func:`decide_conditioning`
         self._invertible: bool | None = None if weight is not None else False
 
     @property
     def invertible(self) -> bool:
         """Whether the weight gradient divides by the weight (see the class) rather than normalising again."""
         if self._invertible is None:
-            self._invertible = bool(self.conditioned)
+            self._invertible = bool(_well_conditioned(self.weight.detach().unsqueeze(0), _bias_rows(self.module))[0])
         return self._invertible
 
     def record(self, inputs: torch.Tensor, output: torch.Tensor | None, output_grad: torch.Tensor) -> None:
@@ -544,22 +542,36 @@ class LayerNormRule(Rule):
         return (grads * normalized.reshape_as(grads)).sum(1)
 
 
-def _well_conditioned(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """Whether dividing by ``weight`` after subtracting ``bias`` keeps the rounding near float precision (0-dim
-    bool)."""
-    scale = bias.detach().abs() / 100 if bias is not None else torch.zeros_like(weight)
-    return ((weight.abs() > scale) & (weight != 0)).all()
+def _bias_rows(module: nn.LayerNorm) -> torch.Tensor | None:
+    """The LayerNorm's bias as one row ``[1, *shape]`` (detached), or None."""
+    return None if module.bias is None else module.bias.detach().unsqueeze(0)
+
+
+def _well_conditioned(weights: torch.Tensor, biases: torch.Tensor | None) -> torch.Tensor:
+    """``[k]`` bool: for each row of ``weights`` ``[k, *shape]``, whether dividing by it after subtracting its row of
+    ``biases`` keeps the rounding near float precision."""
+    scale = biases.abs() / 100 if biases is not None else torch.zeros_like(weights)
+    return ((weights.abs() > scale) & (weights != 0)).flatten(1).all(1)
 
 
 def decide_conditioning(rules: list[Rule]) -> None:
-    """Reads :attr:`LayerNormRule.invertible` of every LayerNorm rule in ``rules`` with one transfer per device, not
-    one per layer (each a device sync on a GPU: a ViT has two dozen LayerNorms)."""
-    undecided: dict[torch.device, list[LayerNormRule]] = {}
+    """Decides :attr:`LayerNormRule.invertible` of every LayerNorm rule in ``rules`` together: one computation per
+    weight shape, dtype and device over the stacked weights and biases, and one transfer per device, instead of
+    several operations and a read per layer (each read a device sync on a GPU: a ViT has two dozen LayerNorms)."""
+    groups: dict[tuple, list[LayerNormRule]] = {}
     for rule in rules:
         if isinstance(rule, LayerNormRule) and rule._invertible is None:
-            undecided.setdefault(rule.conditioned.device, []).append(rule)
-    for group in undecided.values():
-        for rule, flag in zip(group, torch.stack([rule.conditioned for rule in group]).tolist()):
+            weight, bias = rule.weight, rule.module.bias
+            key = (weight.shape, weight.dtype, weight.device, None if bias is None else (bias.shape, bias.dtype))
+            groups.setdefault(key, []).append(rule)
+    decided: dict[torch.device, list[tuple[list[LayerNormRule], torch.Tensor]]] = {}
+    for (_, _, device, has_bias), group in groups.items():
+        weights = torch.stack([rule.weight.detach() for rule in group])  # weights: [k, *shape]
+        biases = None if has_bias is None else torch.stack([rule.module.bias.detach() for rule in group])
+        decided.setdefault(device, []).append((group, _well_conditioned(weights, biases)))
+    for pairs in decided.values():
+        flags = torch.cat([flags for _, flags in pairs]).tolist()  # one transfer per device
+        for rule, flag in zip([rule for group, _ in pairs for rule in group], flags):
             rule._invertible = flag
 
 

@@ -166,6 +166,26 @@ def test_layernorms_whose_weights_are_zero_or_small_beside_their_bias_give_the_e
     assert_matches_reference(model, lambda m, x: m(x).sum((1, 2)), torch.randn(6, 3, 5), 0.3)
 
 
+def test_layernorms_decided_together_get_the_decision_each_would_get_alone():
+    """Grouped by shape, dtype and bias: LayerNorms of two widths, with and without a bias, float32 and float64, each
+    well or badly conditioned, decided in one call as each rule decides on its own."""
+    norms = []
+    for width, bias, dtype, weight in [(6, True, torch.float32, 1.0), (6, True, torch.float32, 1e-4),
+                                       (6, False, torch.float32, 1e-4), (6, False, torch.float32, 0.0),
+                                       (4, True, torch.float32, 0.5), (4, True, torch.float64, 1e-3)]:
+        norm = nn.LayerNorm(width, bias=bias, dtype=dtype)
+        with torch.no_grad():
+            norm.weight.fill_(1.0)
+            norm.weight[1] = weight
+            if bias:
+                norm.bias.fill_(0.2)
+        norms.append(norm)
+    together = [per_sample.LayerNormRule(str(k), norm) for k, norm in enumerate(norms)]
+    per_sample.decide_conditioning(together)
+    alone = [per_sample.LayerNormRule(str(k), norm).invertible for k, norm in enumerate(norms)]
+    assert [rule.invertible for rule in together] == alone == [True, False, True, False, True, False]
+
+
 def test_embedding_with_padding_and_repeated_indices():
     torch.manual_seed(0)
     tokens = torch.tensor([[1, 1, 2, 0], [3, 0, 0, 3], [4, 5, 6, 7], [2, 2, 2, 2]])
@@ -267,6 +287,21 @@ def test_the_cpu_noise_is_one_flat_draw_whose_consecutive_shares_go_to_the_param
     flat = GaussianDraw(RandomStream(9, 0, "noise"), sigma * clip).tensor(len(params), (size,))
     assert torch.equal(torch.cat([p.grad.flatten() for p in params]), flat)  # every coordinate once, none shared
     assert len({p.grad.untyped_storage().data_ptr() for p in params}) == 1  # views of one buffer
+
+
+def test_each_gradient_is_its_noise_divided_once_by_the_expected_batch_size_whatever_its_dtype():
+    """The float32 gradients are divided with their flat noise vector, in one operation; a float64 parameter's noise is
+    a copy, divided on its own: neither divided twice, nor left undivided."""
+    model = nn.Sequential(nn.Linear(3, 5), nn.LayerNorm(5), nn.Linear(5, 2).double())
+    params = list(model.parameters())
+    privatized_gradients(model, lambda m, x: m[2](m[1](m[0](x)).double()).sum(-1), torch.empty(0, 3),
+                         max_grad_norm=0.5, noise_multiplier=2.0, expected_batch_size=4.0,
+                         noise=RandomStream(9, 0, "noise"))
+    flat = GaussianDraw(RandomStream(9, 0, "noise"), 1.0).tensor(len(params), (sum(p.numel() for p in params),))
+    float32 = sum(p.numel() for p in params[:4])
+    assert torch.equal(torch.cat([p.grad.flatten() for p in params[:4]]), flat[:float32] / 4.0)
+    assert torch.equal(torch.cat([p.grad.flatten() for p in params[4:]]), flat[float32:].double() / 4.0)
+    assert all(p.grad.dtype == p.dtype for p in params)
 
 
 def test_a_device_whose_noise_no_helper_draws_gets_one_flat_draw_of_its_own_index(monkeypatch):
