@@ -22,6 +22,7 @@ not IEEE (``docs/privacy.md``, Findings and caveats). The norms stay IEEE float3
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable
 
@@ -38,10 +39,15 @@ def materialise_is_cheaper(tokens: int, d_in: int, d_out: int) -> bool:
 
 
 def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    dtype = tensors[0].dtype
-    for tensor in tensors[1:]:
-        dtype = torch.promote_types(dtype, tensor.dtype)
-    return torch.promote_types(dtype, torch.float32)
+    """The dtype the tensors are used in: their promoted dtype, float32 at least."""
+    return _promoted(frozenset(tensor.dtype for tensor in tensors))
+
+
+@functools.cache
+def _promoted(dtypes: frozenset[torch.dtype]) -> torch.dtype:
+    """``torch.promote_types`` over ``dtypes`` and float32, remembered: each call is a dispatched operation, and the
+    engine asks it a few times per layer and microbatch of the same handful of dtypes."""
+    return functools.reduce(torch.promote_types, dtypes, torch.float32)
 
 
 def add_to_sum(sums: Sums, param: nn.Parameter, value: torch.Tensor) -> None:
@@ -391,7 +397,10 @@ class MatmulRule(Rule):
             return
         acts, grads = self._ghost_pair()
         groups, d_in, d_out = self.groups, acts.shape[2], grads.shape[2]
-        factors = factors.to(grads.dtype).repeat_interleave(groups).view(-1, 1, 1)  # [B*g, 1, 1]
+        factors = factors.to(grads.dtype)
+        if groups > 1:  # a copy: skipped for the common case
+            factors = factors.repeat_interleave(groups)
+        factors = factors.view(-1, 1, 1)  # [B*g, 1, 1]
         if self._scales_inputs():
             acts = acts * factors
         else:
