@@ -558,9 +558,12 @@ def _bias_rows(module: nn.LayerNorm) -> torch.Tensor | None:
 
 def _well_conditioned(weights: torch.Tensor, biases: torch.Tensor | None) -> torch.Tensor:
     """``[k]`` bool: for each row of ``weights`` ``[k, *shape]``, whether dividing by it after subtracting its row of
-    ``biases`` keeps the rounding near float precision."""
-    scale = biases.abs() / 100 if biases is not None else torch.zeros_like(weights)
-    return ((weights.abs() > scale) & (weights != 0)).flatten(1).all(1)
+    ``biases`` keeps the rounding near float precision. Decided in float32, the dtype the weight gradient divides in:
+    a float64 weight below float32's smallest normal number would divide by zero (or a flushed denormal) there."""
+    weights = weights.float()
+    scale = biases.float().abs() / 100 if biases is not None else torch.zeros_like(weights)
+    magnitudes = weights.abs()
+    return ((magnitudes > scale) & (magnitudes >= _FLOAT32_SMALLEST_NORMAL)).flatten(1).all(1)
 
 
 def decide_conditioning(rules: list[Rule]) -> None:

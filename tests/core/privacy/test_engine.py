@@ -172,7 +172,8 @@ def test_layernorms_decided_together_get_the_decision_each_would_get_alone():
     norms = []
     for width, bias, dtype, weight in [(6, True, torch.float32, 1.0), (6, True, torch.float32, 1e-4),
                                        (6, False, torch.float32, 1e-4), (6, False, torch.float32, 0.0),
-                                       (4, True, torch.float32, 0.5), (4, True, torch.float64, 1e-3)]:
+                                       (4, True, torch.float32, 0.5), (4, True, torch.float64, 1e-3),
+                                       (4, False, torch.float64, 1e-50), (4, False, torch.float32, 1e-40)]:
         norm = nn.LayerNorm(width, bias=bias, dtype=dtype)
         with torch.no_grad():
             norm.weight.fill_(1.0)
@@ -183,7 +184,18 @@ def test_layernorms_decided_together_get_the_decision_each_would_get_alone():
     together = [per_sample.LayerNormRule(str(k), norm) for k, norm in enumerate(norms)]
     per_sample.decide_conditioning(together)
     alone = [per_sample.LayerNormRule(str(k), norm).invertible for k, norm in enumerate(norms)]
-    assert [rule.invertible for rule in together] == alone == [True, False, True, False, True, False]
+    assert [rule.invertible for rule in together] == alone == [True, False, True, False, True, False, False, False]
+
+
+def test_a_float64_layernorm_whose_weight_float32_cannot_hold_keeps_its_samples():
+    """The review's case: a float64 weight of 1e-50 passed as well conditioned, the weight gradient divided by its
+    float32 value, zero, and every sample came out non-finite and was dropped."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4).double(), nn.LayerNorm(4, bias=False).double())
+    with torch.no_grad():
+        model[1].weight.fill_(1e-50)
+    loss = lambda m, x: (m(x) * torch.arange(1.0, 5.0, dtype=torch.float64)).sum((1, 2))  # noqa: E731
+    assert_matches_reference(model, loss, torch.randn(5, 3, 4, dtype=torch.float64), 0.5)
 
 
 def test_embedding_with_padding_and_repeated_indices():
