@@ -39,7 +39,7 @@ import warnings
 import weakref
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -215,44 +215,75 @@ class ClippedGradientSum:
 
 
 HELPER_DRAWN_DEVICES = frozenset({"cpu"})  # device types whose noise helper threads draw; the others draw their own
+# The most coordinates of a helper-drawn noise vector that holds several parameters (4 MiB of float32), so that a
+# step's noise is allocated as the non-private gradients are: in pieces the allocator takes back and hands out again
+# from step to step. One vector of every parameter (72 MB at ViP-Nano) was mapped afresh each step, and its pages were
+# zeroed by the operating system on first touch: about 30 ms of CPU a ViP-Nano step, 0.2 s at ViP-Base.
+NOISE_VECTOR = 1 << 20
+
+
+@dataclass(eq=False)
+class _NoiseVector:
+    """The noise of consecutive parameters of one device: tensor ``index`` of the step's draw, ``size`` coordinates."""
+
+    device: torch.device
+    index: int
+    size: int = 0
+    values: torch.Tensor | None = None  # [size] float32, once allocated (helper-drawn) or drawn (on the device)
+    futures: list[Future] = field(default_factory=list)  # one per block, while helpers draw it
 
 
 class _StepNoise:
     """A step's noise, one :class:`GaussianDraw` over the trainable parameters (none when σ = 0).
 
-    Each device's parameters share one flat float32 noise vector, each parameter's share a view of it, in
-    ``params`` order: one allocation per device and step, and a handful of draws instead of one or more per
-    parameter. The vectors are tensors ``len(params)`` (the CPU's), ``len(params) + 1``, ``len(params) + 2``, ...
-    (the other devices', in the order their first parameter comes) of the draw. The CPU's is drawn by helper threads,
-    block by block (blocks span parameters): :meth:`start` allocates it (on the calling thread) and hands its blocks to
-    helpers, as many as the cores torch's threads leave idle, whose draws start when the first backward reaches a
-    layer (:meth:`start_early`), or else ``torch.get_num_threads()``, which draw everything before the clipped sums
-    (:meth:`draw_all`) while the calling thread waits. Another device's is drawn on the device, whole, when
-    :meth:`settle` first needs it. :meth:`settle` waits for a parameter's noise and makes it the start of its
-    running sum: each parameter's noise enters the sum exactly once, whatever the number of microbatches.
+    The noise is drawn as a few flat float32 vectors, in ``params`` order, each parameter's share a view of one of
+    them: tensors ``len(params)``, ``len(params) + 1``, ... of the draw, in the order the vectors come. A device whose
+    noise helper threads draw (the CPU) gets vectors of consecutive parameters of at most ``NOISE_VECTOR`` coordinates
+    (a larger parameter alone in one): :meth:`start` allocates them (on the calling thread) and hands their blocks to
+    helpers, as many as the cores torch's threads leave idle, whose draws start when the first backward reaches a layer
+    (:meth:`start_early`), or else ``torch.get_num_threads()``, which draw everything before the clipped sums
+    (:meth:`draw_all`) while the calling thread waits. Any other device gets one vector of all its parameters, drawn
+    on the device, whole, when :meth:`settle` first needs it. :meth:`settle` waits for a parameter's noise and makes it
+    the start of its running sum: each parameter's noise enters the sum exactly once, whatever the number of
+    microbatches.
     """
 
     def __init__(self, params: list[nn.Parameter], draw: GaussianDraw | None) -> None:
         self.draw = draw
-        self.shares: dict[nn.Parameter, tuple[torch.device, int]] = {}  # each parameter's device and first coordinate
-        self.sizes: dict[torch.device, int] = {}  # each device's flat vector's length, in the order devices come
+        self.shares: dict[nn.Parameter, tuple[_NoiseVector, int]] = {}  # each parameter's vector and first coordinate
+        self.vectors: list[_NoiseVector] = []
+        own: dict[torch.device, _NoiseVector] = {}  # the one vector of each device that draws its own
         for param in params:
-            offset = self.sizes.get(param.device, 0)
-            self.shares[param] = (param.device, offset)
-            self.sizes[param.device] = offset + param.numel()
-        self.helped = next((device for device in self.sizes if device.type in HELPER_DRAWN_DEVICES), None)
-        others = [device for device in self.sizes if device != self.helped]  # each draws its own
-        self.indices = {self.helped: len(params), **{device: len(params) + 1 + k for k, device in enumerate(others)}}
-        self.flats: dict[torch.device, torch.Tensor] = {}  # each device's flat vector, once started
-        self.futures: list[Future] = []  # one per block of the helped device's flat vector
+            if param.device.type in HELPER_DRAWN_DEVICES:
+                vector = self._helped_vector(param.device, param.numel(), len(params))
+            elif param.device in own:
+                vector = own[param.device]
+            else:
+                vector = own[param.device] = self._new(param.device, len(params))
+            self.shares[param] = (vector, vector.size)
+            vector.size += param.numel()
+        self.helped = [v for v in self.vectors if v.device.type in HELPER_DRAWN_DEVICES and v.size]
         self.settled: dict[nn.Parameter, torch.Tensor] = {}  # each settled parameter's noise, its running sum's start
+        self.started = False
         self.early = False
         self.pool: ThreadPoolExecutor | None = None
-        if draw is not None and self.helped is not None and self.sizes[self.helped]:
+        if draw is not None and self.helped:
             idle_cores = usable_cores() - torch.get_num_threads()
             self.early = idle_cores > 0
             helpers = idle_cores if self.early else max(1, torch.get_num_threads())
             self.pool = ThreadPoolExecutor(helpers, "vip-noise")
+
+    def _helped_vector(self, device: torch.device, numel: int, first_index: int) -> _NoiseVector:
+        """The helper-drawn vector that a parameter of ``numel`` coordinates on ``device`` joins: the last vector, if it
+        is that device's and stays within ``NOISE_VECTOR`` coordinates (or is empty), else a new one."""
+        last = self.vectors[-1] if self.vectors else None
+        if last is not None and last.device == device and (last.size == 0 or last.size + numel <= NOISE_VECTOR):
+            return last
+        return self._new(device, first_index)
+
+    def _new(self, device: torch.device, first_index: int) -> _NoiseVector:
+        self.vectors.append(_NoiseVector(device, first_index + len(self.vectors)))
+        return self.vectors[-1]
 
     def start_early(self) -> None:
         """:meth:`start`, when helper threads have idle cores to run on during the backward."""
@@ -260,14 +291,14 @@ class _StepNoise:
             self.start()
 
     def start(self) -> None:
-        """Starts the helpers drawing the CPU parameters' noise (once)."""
-        if self.draw is None or self.helped is None or self.helped in self.flats:
+        """Allocates the helper-drawn vectors and starts the helpers drawing them (once)."""
+        if self.draw is None or self.started:
             return
-        size = self.sizes[self.helped]
-        flat = self.flats[self.helped] = torch.empty(size, dtype=torch.float32, device=self.helped)
-        if self.pool is not None:  # none when every CPU parameter is empty
-            self.futures = [self.pool.submit(self.draw.fill, self.indices[self.helped], flat, block)
-                            for block in GaussianDraw.blocks(size)]
+        self.started = True
+        for vector in self.helped:
+            vector.values = torch.empty(vector.size, dtype=torch.float32, device=vector.device)
+            vector.futures = [self.pool.submit(self.draw.fill, vector.index, vector.values, block)
+                              for block in GaussianDraw.blocks(vector.size)]
 
     def draw_all(self) -> None:
         """:meth:`start`; when the helpers have no idle cores of their own, also waits for every draw, so that they
@@ -276,8 +307,9 @@ class _StepNoise:
         if self.early:
             return
         with record_function("vip.noise_wait"):
-            for future in self.futures:
-                future.result()
+            for vector in self.helped:
+                for future in vector.futures:
+                    future.result()
 
     def settle(self, params: Sequence[nn.Parameter], sums: Sums) -> None:
         """Adds the noise of each of ``params`` not settled yet to ``sums`` (becoming its entry)."""
@@ -296,34 +328,35 @@ class _StepNoise:
             self.pool.shutdown(wait=False)
 
     def divide_in_place(self, sums: Sums, divisor: float) -> set[nn.Parameter]:
-        """Divides every flat noise vector by ``divisor`` in place, one operation per vector instead of one per
+        """Divides every noise vector by ``divisor`` in place, one operation per vector instead of one per
         parameter, and returns the parameters whose running sum in ``sums`` is still the very view of a vector that
         :meth:`settle` made it (divided with it); every other sum is the caller's to divide."""
-        for flat in self.flats.values():
-            flat.div_(divisor)
+        for vector in self.vectors:
+            if vector.values is not None:
+                vector.values.div_(divisor)
         return {param for param, noise in self.settled.items()
                 if sums.get(param) is noise and noise.dtype == torch.float32}
 
     def _share(self, param: nn.Parameter) -> torch.Tensor:
-        """``param``'s view of its device's flat noise, once drawn. A parameter that is not float32 gets a copy in its
-        dtype, and its share of the flat vector is zeroed: the other parameters' gradients are views of that vector,
-        and whoever saves one saves the whole storage, which must not hold this parameter's noise apart from its sum."""
-        device, start = self.shares[param]
+        """``param``'s view of its vector, once drawn. A parameter that is not float32 gets a copy in its dtype, and its
+        share of the vector is zeroed: the other parameters' gradients are views of that vector, and whoever saves
+        one saves the whole storage, which must not hold this parameter's noise apart from its sum."""
+        vector, start = self.shares[param]
         stop = start + param.numel()
-        if device == self.helped:
-            self._wait(GaussianDraw.blocks_spanning(start, stop))
-        elif device not in self.flats:
-            self.flats[device] = self.draw.tensor(self.indices[device], (self.sizes[device],), device=device)
-        share = self.flats[device][start:stop].view(param.shape)
+        if vector.futures:
+            self._wait(vector.futures, GaussianDraw.blocks_spanning(start, stop))
+        elif vector.values is None:
+            vector.values = self.draw.tensor(vector.index, (vector.size,), device=vector.device)
+        share = vector.values[start:stop].view(param.shape)
         if param.dtype == torch.float32:
             return share
         noise = share.to(param.dtype)
         share.zero_()
         return noise
 
-    def _wait(self, blocks: range) -> None:
-        """Waits for the helpers' ``blocks``, raising what a helper raised."""
-        waits = [self.futures[block] for block in blocks]
+    def _wait(self, futures: list[Future], blocks: range) -> None:
+        """Waits for the helpers' ``blocks`` of a vector, raising what a helper raised."""
+        waits = [futures[block] for block in blocks]
         if not all(future.done() for future in waits):
             with record_function("vip.noise_wait"):
                 wait(waits)

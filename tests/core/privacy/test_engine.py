@@ -286,19 +286,27 @@ def test_noise_is_added_once_around_the_clipped_sum_and_follows_its_stream():
     assert residual.std().item() == pytest.approx(3.0 * 0.05 / 4.0, rel=0.05)
 
 
-def test_the_cpu_noise_is_one_flat_draw_whose_consecutive_shares_go_to_the_parameters_in_order(monkeypatch):
-    from vip_core.privacy import randomness
+def test_the_cpu_noise_is_drawn_as_vectors_of_consecutive_parameters_each_within_its_bound(monkeypatch):
+    """Parameters of 2100, 70, 70, 70, 4900, 70, 70 and 1 coordinates in vectors of at most 2500 (a larger parameter
+    alone in one): [2100, 70, 70, 70], [4900], [70, 70, 1], tensors len(params) + 0, 1, 2 of the draw, with blocks of
+    1000 that span parameters; each parameter's gradient a view of its vector."""
+    from vip_core.privacy import engine, randomness
 
-    monkeypatch.setattr(randomness, "NOISE_BLOCK", 1000)  # blocks that span parameters
-    model = nn.Sequential(nn.Linear(30, 70), nn.LayerNorm(70), nn.Linear(70, 70))
+    monkeypatch.setattr(randomness, "NOISE_BLOCK", 1000)
+    monkeypatch.setattr(engine, "NOISE_VECTOR", 2500)
+    model = nn.Sequential(nn.Linear(30, 70), nn.LayerNorm(70), nn.Linear(70, 70), nn.Linear(70, 1))
+    params = list(model.parameters())
+    assert [p.numel() for p in params] == [2100, 70, 70, 70, 4900, 70, 70, 1]
     sigma, clip = 2.0, 0.5
     privatized_gradients(model, lambda m, x: m(x).sum(-1), torch.empty(0, 30), max_grad_norm=clip,
                          noise_multiplier=sigma, expected_batch_size=1.0, noise=RandomStream(9, 0, "noise"))
-    params = list(model.parameters())
-    size = sum(p.numel() for p in params)
-    flat = GaussianDraw(RandomStream(9, 0, "noise"), sigma * clip).tensor(len(params), (size,))
-    assert torch.equal(torch.cat([p.grad.flatten() for p in params]), flat)  # every coordinate once, none shared
-    assert len({p.grad.untyped_storage().data_ptr() for p in params}) == 1  # views of one buffer
+    draw = GaussianDraw(RandomStream(9, 0, "noise"), sigma * clip)
+    vectors = [params[:4], params[4:5], params[5:]]
+    for k, members in enumerate(vectors):
+        flat = draw.tensor(len(params) + k, (sum(p.numel() for p in members),))
+        assert torch.equal(torch.cat([p.grad.flatten() for p in members]), flat)  # every coordinate once
+        assert len({p.grad.untyped_storage().data_ptr() for p in members}) == 1  # views of one buffer
+    assert len({p.grad.untyped_storage().data_ptr() for p in params}) == len(vectors)
 
 
 def test_each_gradient_is_its_noise_divided_once_by_the_expected_batch_size_whatever_its_dtype():
@@ -317,8 +325,8 @@ def test_each_gradient_is_its_noise_divided_once_by_the_expected_batch_size_what
 
 
 def test_a_device_whose_noise_no_helper_draws_gets_one_flat_draw_of_its_own_index(monkeypatch):
-    """As a CUDA device's parameters: one draw of the device's flat vector (tensor index len(params) + 1, the first
-    device no helper draws), split among its parameters in order, and no helper threads."""
+    """As a CUDA device's parameters: one draw of the device's flat vector (tensor index len(params), the first
+    vector), split among its parameters in order, and no helper threads."""
     from vip_core.privacy import engine
 
     monkeypatch.setattr(engine, "HELPER_DRAWN_DEVICES", frozenset())
@@ -327,7 +335,7 @@ def test_a_device_whose_noise_no_helper_draws_gets_one_flat_draw_of_its_own_inde
     clipped = ClippedGradientSum(model, max_grad_norm=0.5, noise_multiplier=2.0, noise=RandomStream(9, 0, "noise"))
     clipped.add(lambda m, x: m(x).sum(-1), torch.empty(0, 30))
     clipped.privatize(expected_batch_size=1.0)
-    flat = GaussianDraw(RandomStream(9, 0, "noise"), 1.0).tensor(len(params) + 1, (sum(p.numel() for p in params),))
+    flat = GaussianDraw(RandomStream(9, 0, "noise"), 1.0).tensor(len(params), (sum(p.numel() for p in params),))
     assert clipped.noise.pool is None
     assert torch.equal(torch.cat([p.grad.flatten() for p in params]), flat)
 
@@ -496,7 +504,7 @@ def test_the_noise_is_drawn_during_the_backward_only_on_cores_torch_leaves_idle(
     norms = per_sample.MatmulRule.squared_norms
 
     def spy(rule, batch, device, *args, **options):
-        started_after_backward.append(len(clipped.noise.futures))
+        started_after_backward.append(len(helper_futures(clipped)))
         return norms(rule, batch, device, *args, **options)
 
     monkeypatch.setattr(per_sample.MatmulRule, "squared_norms", spy)
@@ -504,7 +512,7 @@ def test_the_noise_is_drawn_during_the_backward_only_on_cores_torch_leaves_idle(
     clipped_sum = per_sample.MatmulRule.add_clipped_sum
 
     def spy_sum(rule, factors, sums, **options):
-        drawn_before_sums.append(all(future.done() for future in clipped.noise.futures))
+        drawn_before_sums.append(all(future.done() for future in helper_futures(clipped)))
         return clipped_sum(rule, factors, sums, **options)
 
     monkeypatch.setattr(per_sample.MatmulRule, "add_clipped_sum", spy_sum)
@@ -521,6 +529,10 @@ def test_the_noise_is_drawn_during_the_backward_only_on_cores_torch_leaves_idle(
     assert (started_after_backward[0] > 0) == in_backward
     assert drawn_before_sums[0] or in_backward
     assert all(torch.isfinite(p.grad).all() and bool((p.grad != 0).any()) for p in model.parameters())
+
+
+def helper_futures(clipped):
+    return [future for vector in clipped.noise.helped for future in vector.futures]
 
 
 def test_the_usable_cores_fall_back_to_the_cpu_count_where_the_os_has_no_affinity(monkeypatch):
