@@ -128,9 +128,9 @@ class ClippedGradientSum:
     :func:`privatized_gradients` is the one-call form.
 
     The noise is one :class:`~vip_core.privacy.randomness.GaussianDraw` taken when the sum is created. The CPU
-    parameters' noise is drawn on helper threads into one flat buffer, each parameter's share a view of it, and
-    the clipped sums are added into those views: for float32 parameters it needs no second parameter-sized
-    buffer (the privatized gradients are views of it too). When torch leaves cores idle, the helpers use them
+    parameters' noise is drawn on helper threads into a few flat buffers of consecutive parameters, each
+    parameter's share a view of one, and the clipped sums are added into those views: for float32 parameters it
+    needs no second parameter-sized buffer (the privatized gradients are views of them too). When torch leaves cores idle, the helpers use them
     while the first backward runs (the draw starts when the backward reaches its first layer); otherwise the
     helpers draw it all once the first microbatch's clip factors are known, before its clipped sums, because
     helpers competing with torch's threads for the cores would slow its matmuls more than the draw costs. The
@@ -229,8 +229,9 @@ class _NoiseVector:
     device: torch.device
     index: int
     size: int = 0
+    helper_drawn: bool = False  # drawn by helper threads block by block (else whole, on its device)
     values: torch.Tensor | None = None  # [size] float32, once allocated (helper-drawn) or drawn (on the device)
-    futures: list[Future] = field(default_factory=list)  # one per block, while helpers draw it
+    futures: list[Future] = field(default_factory=list)  # one per block, once handed to the helpers
 
 
 class _StepNoise:
@@ -263,6 +264,8 @@ class _StepNoise:
             self.shares[param] = (vector, vector.size)
             vector.size += param.numel()
         self.helped = [v for v in self.vectors if v.device.type in HELPER_DRAWN_DEVICES and v.size]
+        for vector in self.helped:
+            vector.helper_drawn = True
         self.settled: dict[nn.Parameter, torch.Tensor] = {}  # each settled parameter's noise, its running sum's start
         self.started = False
         self.early = False
@@ -343,8 +346,8 @@ class _StepNoise:
         one saves the whole storage, which must not hold this parameter's noise apart from its sum."""
         vector, start = self.shares[param]
         stop = start + param.numel()
-        if vector.futures:
-            self._wait(vector.futures, GaussianDraw.blocks_spanning(start, stop))
+        if vector.helper_drawn:
+            self._wait(vector, GaussianDraw.blocks_spanning(start, stop))
         elif vector.values is None:
             vector.values = self.draw.tensor(vector.index, (vector.size,), device=vector.device)
         share = vector.values[start:stop].view(param.shape)
@@ -354,9 +357,12 @@ class _StepNoise:
         share.zero_()
         return noise
 
-    def _wait(self, futures: list[Future], blocks: range) -> None:
-        """Waits for the helpers' ``blocks`` of a vector, raising what a helper raised."""
-        waits = [futures[block] for block in blocks]
+    def _wait(self, vector: _NoiseVector, blocks: range) -> None:
+        """Waits for the helpers' ``blocks`` of ``vector``, raising what a helper raised, or that the vector's blocks
+        were not all handed to the helpers (its memory would be read as noise where no draw wrote it)."""
+        if len(vector.futures) != len(GaussianDraw.blocks(vector.size)):
+            raise RuntimeError(f"the noise of draw tensor {vector.index} was not handed to the helper threads whole")
+        waits = [vector.futures[block] for block in blocks]
         if not all(future.done() for future in waits):
             with record_function("vip.noise_wait"):
                 wait(waits)

@@ -574,6 +574,30 @@ def test_a_step_that_fails_stops_its_noise_threads_and_sets_no_gradient():
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_a_noise_vector_not_handed_to_the_helpers_whole_is_refused_not_read(monkeypatch):
+    """The second review's case: a submission that failed part-way left a later vector allocated with no draws;
+    reading it would have given its memory (freed by the step, so it may hold the batch's data) as noise."""
+    from vip_core.privacy import engine, randomness
+
+    monkeypatch.setattr(randomness, "NOISE_BLOCK", 3)
+    monkeypatch.setattr(engine, "NOISE_VECTOR", 7)
+    model = nn.Sequential(nn.Linear(1, 5, bias=False), nn.Linear(1, 5, bias=False))
+    clipped = ClippedGradientSum(model, max_grad_norm=1.0, noise_multiplier=1.0, noise=RandomStream(1, 0, "noise"))
+    submit, calls = clipped.noise.pool.submit, []
+
+    def failing_submit(*args):
+        calls.append(args)
+        if len(calls) == 3:
+            raise RuntimeError("cannot schedule new futures")
+        return submit(*args)
+
+    monkeypatch.setattr(clipped.noise.pool, "submit", failing_submit)
+    with pytest.raises(RuntimeError, match="cannot schedule"):
+        clipped.noise.start()
+    with pytest.raises(RuntimeError, match="not handed to the helper threads whole"):
+        clipped.noise.settle(list(model.parameters()), {})
+
+
 def test_a_sum_that_failed_part_way_refuses_a_retry_that_would_count_samples_twice():
     model = nn.Linear(3, 1)
     calls = []
