@@ -130,12 +130,12 @@ class ClippedGradientSum:
     The noise is one :class:`~vip_core.privacy.randomness.GaussianDraw` taken when the sum is created. The CPU
     parameters' noise is drawn on helper threads into a few flat buffers of consecutive parameters, each
     parameter's share a view of one, and the clipped sums are added into those views: for float32 parameters it
-    needs no second parameter-sized buffer (the privatized gradients are views of them too). When torch leaves cores idle, the helpers use them
-    while the first backward runs (the draw starts when the backward reaches its first layer); otherwise the
-    helpers draw it all once the first microbatch's clip factors are known, before its clipped sums, because
-    helpers competing with torch's threads for the cores would slow its matmuls more than the draw costs. The
-    values do not depend on the threads or the microbatches. One object sums and privatizes one logical batch:
-    after :meth:`privatize`, or after a call that failed part-way, it refuses to go on.
+    needs no second parameter-sized buffer (the privatized gradients are views of them too). When torch leaves
+    cores idle, the helpers use them while the first backward runs (the draw starts when the backward reaches its
+    first layer); otherwise the helpers draw it all once the first microbatch's clip factors are known, before its
+    clipped sums, because helpers competing with torch's threads for the cores would slow its matmuls more than the
+    draw costs. The values do not depend on the threads or the microbatches. One object sums and privatizes one
+    logical batch: after :meth:`privatize`, or after a call that failed part-way, it refuses to go on.
 
     Args:
         model: the model (see :func:`privatized_gradients` for what it may contain).
@@ -251,16 +251,17 @@ class _StepNoise:
 
     def __init__(self, params: list[nn.Parameter], draw: GaussianDraw | None) -> None:
         self.draw = draw
+        self.first_index = len(params)  # the draw's tensor index of the first vector
         self.shares: dict[nn.Parameter, tuple[_NoiseVector, int]] = {}  # each parameter's vector and first coordinate
         self.vectors: list[_NoiseVector] = []
         own: dict[torch.device, _NoiseVector] = {}  # the one vector of each device that draws its own
         for param in params:
             if param.device.type in HELPER_DRAWN_DEVICES:
-                vector = self._helped_vector(param.device, param.numel(), len(params))
+                vector = self._helped_vector(param.device, param.numel())
             elif param.device in own:
                 vector = own[param.device]
             else:
-                vector = own[param.device] = self._new(param.device, len(params))
+                vector = own[param.device] = self._new(param.device)
             self.shares[param] = (vector, vector.size)
             vector.size += param.numel()
         self.helped = [v for v in self.vectors if v.device.type in HELPER_DRAWN_DEVICES and v.size]
@@ -276,16 +277,16 @@ class _StepNoise:
             helpers = idle_cores if self.early else max(1, torch.get_num_threads())
             self.pool = ThreadPoolExecutor(helpers, "vip-noise")
 
-    def _helped_vector(self, device: torch.device, numel: int, first_index: int) -> _NoiseVector:
+    def _helped_vector(self, device: torch.device, numel: int) -> _NoiseVector:
         """The helper-drawn vector that a parameter of ``numel`` coordinates on ``device`` joins: the last vector, if it
         is that device's and stays within ``NOISE_VECTOR`` coordinates (or is empty), else a new one."""
         last = self.vectors[-1] if self.vectors else None
         if last is not None and last.device == device and (last.size == 0 or last.size + numel <= NOISE_VECTOR):
             return last
-        return self._new(device, first_index)
+        return self._new(device)
 
-    def _new(self, device: torch.device, first_index: int) -> _NoiseVector:
-        self.vectors.append(_NoiseVector(device, first_index + len(self.vectors)))
+    def _new(self, device: torch.device) -> _NoiseVector:
+        self.vectors.append(_NoiseVector(device, self.first_index + len(self.vectors)))
         return self.vectors[-1]
 
     def start_early(self) -> None:

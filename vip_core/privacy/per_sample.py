@@ -525,7 +525,7 @@ class LayerNormRule(Rule):
     def invertible(self) -> bool:
         """Whether the weight gradient divides by the weight (see the class) rather than normalising again."""
         if self._invertible is None:
-            self._invertible = bool(_well_conditioned(self.weight.detach().unsqueeze(0), _bias_rows(self.module))[0])
+            decide_conditioning([self])
         return self._invertible
 
     def record(self, inputs: torch.Tensor, output: torch.Tensor | None, output_grad: torch.Tensor) -> None:
@@ -549,11 +549,6 @@ class LayerNormRule(Rule):
             return weighted / self.weight.detach().float()
         normalized = F.layer_norm(inputs.float(), self.module.normalized_shape, eps=self.module.eps)  # x̂
         return (grads * normalized.reshape_as(grads)).sum(1)
-
-
-def _bias_rows(module: nn.LayerNorm) -> torch.Tensor | None:
-    """The LayerNorm's bias as one row ``[1, *shape]`` (detached), or None."""
-    return None if module.bias is None else module.bias.detach().unsqueeze(0)
 
 
 def _well_conditioned(weights: torch.Tensor, biases: torch.Tensor | None) -> torch.Tensor:
