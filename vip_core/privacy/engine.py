@@ -269,6 +269,7 @@ class _StepNoise:
             vector.helper_drawn = True
         self.settled: dict[nn.Parameter, torch.Tensor] = {}  # each settled parameter's noise, its running sum's start
         self.started = False
+        self.starting = threading.Lock()  # start() may be called from autograd's device threads at once
         self.early = False
         self.pool: ThreadPoolExecutor | None = None
         if draw is not None and self.helped:
@@ -295,14 +296,18 @@ class _StepNoise:
             self.start()
 
     def start(self) -> None:
-        """Allocates the helper-drawn vectors and starts the helpers drawing them (once)."""
-        if self.draw is None or self.started:
+        """Allocates the helper-drawn vectors and starts the helpers drawing them (once; a caller that comes while
+        another is at it returns when every vector has been handed over)."""
+        if self.draw is None:
             return
-        self.started = True
-        for vector in self.helped:
-            vector.values = torch.empty(vector.size, dtype=torch.float32, device=vector.device)
-            vector.futures = [self.pool.submit(self.draw.fill, vector.index, vector.values, block)
-                              for block in GaussianDraw.blocks(vector.size)]
+        with self.starting:
+            if self.started:
+                return
+            self.started = True
+            for vector in self.helped:
+                vector.values = torch.empty(vector.size, dtype=torch.float32, device=vector.device)
+                vector.futures = [self.pool.submit(self.draw.fill, vector.index, vector.values, block)
+                                  for block in GaussianDraw.blocks(vector.size)]
 
     def draw_all(self) -> None:
         """:meth:`start`; when the helpers have no idle cores of their own, also waits for every draw, so that they

@@ -598,6 +598,47 @@ def test_a_noise_vector_not_handed_to_the_helpers_whole_is_refused_not_read(monk
         clipped.noise.settle(list(model.parameters()), {})
 
 
+def test_noise_started_from_several_threads_at_once_is_allocated_and_handed_over_once(monkeypatch):
+    """The third review's case: a model on the CPU and a GPU has its captures' callbacks run on autograd's device
+    threads too; a start beside another could return before the vectors were handed over (or allocate one twice,
+    leaving a gradient on memory no helper fills)."""
+    import threading
+    import time
+
+    from vip_core.privacy import engine, randomness
+
+    monkeypatch.setattr(randomness, "NOISE_BLOCK", 3)
+    monkeypatch.setattr(engine, "NOISE_VECTOR", 7)
+    model = nn.Sequential(nn.Linear(1, 5, bias=False), nn.Linear(1, 5, bias=False))
+    clipped = ClippedGradientSum(model, max_grad_norm=1.0, noise_multiplier=1.0, noise=RandomStream(1, 0, "noise"))
+    empty = torch.empty
+
+    def slow_empty(*args, **kwargs):
+        time.sleep(0.05)  # widens the window between the check and the allocation
+        return empty(*args, **kwargs)
+
+    monkeypatch.setattr(engine.torch, "empty", slow_empty)
+    ready, handed_over = threading.Barrier(4), []
+
+    def start():
+        ready.wait()
+        clipped.noise.start()
+        handed_over.append(all(len(v.futures) == len(GaussianDraw.blocks(v.size)) for v in clipped.noise.helped))
+
+    starters = [threading.Thread(target=start) for _ in range(4)]
+    for thread in starters:
+        thread.start()
+    for thread in starters:
+        thread.join()
+    monkeypatch.setattr(engine.torch, "empty", empty)
+    assert handed_over == [True] * 4  # no caller goes on to settle while another is still allocating
+    sums = {}
+    clipped.noise.settle(list(model.parameters()), sums)
+    draw = GaussianDraw(RandomStream(1, 0, "noise"), 1.0)
+    for k, param in enumerate(model.parameters()):
+        assert torch.equal(sums[param].flatten(), draw.tensor(len(list(model.parameters())) + k, (5,)))
+
+
 def test_a_sum_that_failed_part_way_refuses_a_retry_that_would_count_samples_twice():
     model = nn.Linear(3, 1)
     calls = []
