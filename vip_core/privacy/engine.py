@@ -32,6 +32,7 @@ sum use it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -132,10 +133,14 @@ class ClippedGradientSum:
     parameter's share a view of one, and the clipped sums are added into those views: for float32 parameters it
     needs no second parameter-sized buffer (the privatized gradients are views of them too). When torch leaves
     cores idle, the helpers use them while the first backward runs (the draw starts when the backward reaches its
-    first layer); otherwise the helpers draw it all once the first microbatch's clip factors are known, before its
-    clipped sums, because helpers competing with torch's threads for the cores would slow its matmuls more than the
-    draw costs. The values do not depend on the threads or the microbatches. One object sums and privatizes one
-    logical batch: after :meth:`privatize`, or after a call that failed part-way, it refuses to go on.
+    first layer), and where they leave at least as many idle cores as torch's threads (a helper's torch operations
+    run that many), the helpers also compute each layer's ghost norm (its Gram matrices and token norms) as soon as
+    the backward has reached the layer, so that little of the work the non-private step does not have is left on the
+    calling thread; the values are the same wherever they are computed. Otherwise the helpers draw the noise once
+    the first microbatch's clip factors are known, before its clipped sums, because helpers competing with torch's
+    threads for the cores would slow its matmuls more than the draw costs. The values do not depend on the threads or
+    the microbatches. One object sums and privatizes one logical batch: after :meth:`privatize`, or after a call that
+    failed part-way, it refuses to go on.
 
     Args:
         model: the model (see :func:`privatized_gradients` for what it may contain).
@@ -166,7 +171,13 @@ class ClippedGradientSum:
         self.sums: Sums = {}
         self.totals = _Totals()
         draw = GaussianDraw(noise, noise_multiplier * max_grad_norm) if noise_multiplier > 0 else None
-        self.noise = _StepNoise(self.plan.params, draw)
+        threads = torch.get_num_threads()
+        idle = usable_cores() - threads
+        self.helpers = ThreadPoolExecutor(idle, "vip-helper") if idle > 0 else None  # on the cores torch leaves idle
+        # The ghost norms go to the helpers only where a helper's torch operations (on torch's number of threads) fit
+        # the idle cores beside the step's own.
+        self.norm_helpers = _in_full_float32(self.helpers) if self.helpers is not None and idle >= threads else None
+        self.noise = _StepNoise(self.plan.params, draw, self.helpers)
         self.closed: str | None = None  # why it refuses to go on, once it does
 
     def add(self, loss_fn: LossFn, inputs: Inputs, *, physical_batch_size: int | None = None) -> None:
@@ -175,7 +186,7 @@ class ClippedGradientSum:
         with self._closed_on_error():
             for chunk in split_batch(inputs, physical_batch_size):
                 _add_microbatch(self.plan, self.model, loss_fn, chunk, self.max_grad_norm, self.sums, self.totals,
-                                self.noise, self.tensor_core_sums)
+                                self.noise, self.tensor_core_sums, self.norm_helpers)
 
     def privatize(self, *, expected_batch_size: float) -> StepStats:
         """Sets each trainable parameter's ``.grad`` to (sum + N(0, σ²C²I)) / expected_batch_size.
@@ -191,6 +202,7 @@ class ClippedGradientSum:
         self.closed = "was privatized already: its noise is spent, so it cannot sum or privatize another batch"
         with self._closed_on_error():
             self.noise.settle(self.plan.params, self.sums)
+        self._stop_helpers()
         divided = self.noise.divide_in_place(self.sums, expected_batch_size)
         for param in self.plan.params:
             total = self.sums.pop(param) if param in self.sums else torch.zeros_like(param)
@@ -211,7 +223,23 @@ class ClippedGradientSum:
         except BaseException:
             self.closed = "failed part-way: its sums hold part of a batch, so it cannot go on"
             self.noise.stop()
+            self._stop_helpers()
             raise
+
+    def _stop_helpers(self) -> None:
+        """Stops the helper threads, work not started cancelled (nothing is left to do once the noise is settled)."""
+        if self.helpers is not None:
+            self.helpers.shutdown(wait=False, cancel_futures=True)
+
+
+def _in_full_float32(executor: ThreadPoolExecutor) -> Callable[..., Future]:
+    """``executor.submit`` of a function run in :func:`full_float32` without autograd (a helper thread's autocast and
+    grad mode are its own, not the step's)."""
+    def run(function: Callable, *args: Any) -> Any:
+        with torch.no_grad(), full_float32(torch.device("cpu")):
+            return function(*args)
+
+    return functools.partial(executor.submit, run)
 
 
 HELPER_DRAWN_DEVICES = frozenset({"cpu"})  # device types whose noise helper threads draw; the others draw their own
@@ -241,15 +269,16 @@ class _StepNoise:
     them: tensors ``len(params)``, ``len(params) + 1``, ... of the draw, in the order the vectors come. A device whose
     noise helper threads draw (the CPU) gets vectors of consecutive parameters of at most ``NOISE_VECTOR`` coordinates
     (a larger parameter alone in one): :meth:`start` allocates them (on the calling thread) and hands their blocks to
-    helpers, as many as the cores torch's threads leave idle, whose draws start when the first backward reaches a layer
-    (:meth:`start_early`), or else ``torch.get_num_threads()``, which draw everything before the clipped sums
-    (:meth:`draw_all`) while the calling thread waits. Any other device gets one vector of all its parameters, drawn
-    on the device, whole, when :meth:`settle` first needs it. :meth:`settle` waits for a parameter's noise and makes it
-    the start of its running sum: each parameter's noise enters the sum exactly once, whatever the number of
-    microbatches.
+    helpers: ``idle_helpers``, the caller's threads on the cores torch's threads leave idle, whose draws start when the
+    first backward reaches a layer (:meth:`start_early`), or else its own ``torch.get_num_threads()``, which draw
+    everything before the clipped sums (:meth:`draw_all`) while the calling thread waits. Any other device gets one
+    vector of all its parameters, drawn on the device, whole, when :meth:`settle` first needs it. :meth:`settle`
+    waits for a parameter's noise and makes it the start of its running sum: each parameter's noise enters the sum
+    exactly once, whatever the number of microbatches.
     """
 
-    def __init__(self, params: list[nn.Parameter], draw: GaussianDraw | None) -> None:
+    def __init__(self, params: list[nn.Parameter], draw: GaussianDraw | None,
+                 idle_helpers: ThreadPoolExecutor | None) -> None:
         self.draw = draw
         self.first_index = len(params)  # the draw's tensor index of the first vector
         self.shares: dict[nn.Parameter, tuple[_NoiseVector, int]] = {}  # each parameter's vector and first coordinate
@@ -272,11 +301,11 @@ class _StepNoise:
         self.starting = threading.Lock()  # start() may be called from autograd's device threads at once
         self.early = False
         self.pool: ThreadPoolExecutor | None = None
+        self.own_pool = False  # the pool is this noise's (else the caller's, which stops it)
         if draw is not None and self.helped:
-            idle_cores = usable_cores() - torch.get_num_threads()
-            self.early = idle_cores > 0
-            helpers = idle_cores if self.early else max(1, torch.get_num_threads())
-            self.pool = ThreadPoolExecutor(helpers, "vip-noise")
+            self.early = idle_helpers is not None
+            self.own_pool = not self.early
+            self.pool = idle_helpers or ThreadPoolExecutor(max(1, torch.get_num_threads()), "vip-noise")
 
     def _helped_vector(self, device: torch.device, numel: int) -> _NoiseVector:
         """The helper-drawn vector that a parameter of ``numel`` coordinates on ``device`` joins: the last vector, if it
@@ -333,7 +362,7 @@ class _StepNoise:
                 noise.add_(sums[param])
             sums[param] = noise
             self.settled[param] = noise
-        if len(self.settled) == len(self.shares) and self.pool is not None:
+        if len(self.settled) == len(self.shares) and self.own_pool:
             self.pool.shutdown(wait=False)
 
     def divide_in_place(self, sums: Sums, divisor: float) -> set[nn.Parameter]:
@@ -376,8 +405,8 @@ class _StepNoise:
             future.result()
 
     def stop(self) -> None:
-        """Stops the helper threads, pending draws cancelled."""
-        if self.pool is not None:
+        """Stops its own helper threads, pending draws cancelled (the caller stops the idle cores' helpers)."""
+        if self.own_pool:
             self.pool.shutdown(wait=False, cancel_futures=True)
 
 
@@ -577,9 +606,11 @@ class _Capture(torch.autograd.Function):
 class _Tape:
     """Forward hooks on the supported layers that keep each call's input and route its output gradient."""
 
-    def __init__(self, plan: ModelPlan, batch: int, on_gradient: Callable[[], None]) -> None:
+    def __init__(self, plan: ModelPlan, batch: int, on_gradient: Callable[[], None],
+                 norm_helpers: Callable[..., Future] | None) -> None:
         self.batch = batch
         self.on_gradient = on_gradient
+        self.norm_helpers = norm_helpers
         self.anchor = torch.zeros((), requires_grad=True)
         self.rules: list[tuple[nn.Module, Rule]] = [(m, factory(n, m)) for n, m, factory in plan.layers]
         decide_conditioning([rule for _, rule in self.rules])
@@ -604,7 +635,7 @@ class _Tape:
                     f"layer '{rule.name}' ran on an input of {layer_input.shape[0]} rows (output {output.shape[0]}) "
                     f"in a microbatch of {self.batch} samples: per-sample clipping needs the batch on dim 0"
                 )
-            call = _Call(rule, layer_input, self.on_gradient)
+            call = _Call(rule, layer_input, self.on_gradient, self.norm_helpers)
             captured = _capture(output, self.anchor, module, call.receive)
             if rule.uses_output:
                 call.keep_output(captured.detach())
@@ -615,12 +646,14 @@ class _Tape:
 
 class _Call:
     """One call of a layer: its input (and output, for rules that use it), checked for in-place changes; when
-    its output gradient arrives it is recorded and ``on_gradient`` is called."""
+    its output gradient arrives it is recorded, the rule may hand part of its norms to ``norm_helpers`` (an
+    executor's submit, or None), and ``on_gradient`` is called."""
 
-    def __init__(self, rule: Rule, layer_input: torch.Tensor,
-                 on_gradient: Callable[[], None]) -> None:
+    def __init__(self, rule: Rule, layer_input: torch.Tensor, on_gradient: Callable[[], None],
+                 norm_helpers: Callable[..., Future] | None) -> None:
         self.rule = rule
         self.on_gradient = on_gradient
+        self.norm_helpers = norm_helpers
         self.tensors = [layer_input]
         self.versions = [layer_input._version]
         self.output: torch.Tensor | None = None
@@ -637,6 +670,8 @@ class _Call:
                 "per-sample gradients need them unchanged"
             )
         self.rule.record(self.tensors[0], self.output, output_grad)
+        if self.norm_helpers is not None:
+            self.rule.start_norms(self.norm_helpers)
         self.on_gradient()
 
 
@@ -655,14 +690,15 @@ def _capture(output: torch.Tensor, anchor: torch.Tensor, module: nn.Module, rece
 
 def _add_microbatch(
     plan: ModelPlan, model: nn.Module, loss_fn: LossFn, inputs: Inputs, max_grad_norm: float, sums: Sums,
-    total: _Totals, noise: _StepNoise, tensor_core_sums: bool,
+    total: _Totals, noise: _StepNoise, tensor_core_sums: bool, norm_helpers: Callable[..., Future] | None,
 ) -> None:
     """Adds the clipped per-sample gradients of one microbatch to ``sums`` (each parameter's entry starting from
-    its noise), on tensor cores where ``tensor_core_sums`` allows."""
+    its noise), on tensor cores where ``tensor_core_sums`` allows; the layers' ghost norms computed on
+    ``norm_helpers`` while the backward runs, where given."""
     batch = batch_size_of(inputs)
     device = plan.params[0].device if plan.params else torch.device("cpu")
     _verify_per_sample_layout(plan, model, loss_fn, inputs, batch)
-    with record_function("vip.forward"), _Tape(plan, batch, on_gradient=noise.start_early) as tape:
+    with record_function("vip.forward"), _Tape(plan, batch, noise.start_early, norm_helpers) as tape:
         stand_ins = _stand_ins(plan, batch)
         losses = _losses(model, loss_fn, inputs, stand_ins, batch)
     plain_rules = [PlainRule(name, param) for name, param in plan.plain]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+from concurrent.futures import Future
 from typing import Callable
 
 import torch
@@ -113,6 +114,26 @@ _FLOAT32_UNIT_ROUNDOFF = 2.0**-24
 _FLOAT32_SMALLEST_NORMAL = 2.0**-126  # below it float32 underflows (to zero under flush-to-zero)
 
 
+def ghost_parts(acts: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ghost norms ``Σ_{t,s} (aₜ·aₛ)(gₜ·gₛ)`` of ``acts`` ``[N, T, d_in]`` and ``grads`` ``[N, T, d_out]`` (in the
+    compute dtype), ``[N]`` float64 without their rounding bound, and the token norms ``[N, T]`` of each, which the
+    bound is computed from (:func:`bound_from_token_norms`)."""
+    if acts.shape[1] == 1:  # 1 x 1 Grams
+        ghost = acts.square().sum((1, 2)).double() * grads.square().sum((1, 2)).double()  # ghost: [N]
+    else:
+        act_gram = torch.bmm(acts, acts.transpose(1, 2))  # act_gram: [N, T, T]
+        grad_gram = torch.bmm(grads, grads.transpose(1, 2))  # grad_gram: [N, T, T]
+        ghost = torch.linalg.vecdot(act_gram.flatten(1).double(), grad_gram.flatten(1).double())  # [N]
+    return ghost, torch.linalg.vector_norm(acts, dim=2), torch.linalg.vector_norm(grads, dim=2)
+
+
+def joined_ghost_parts(inputs: list[torch.Tensor], grads: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """:func:`ghost_parts` of a layer's kept inputs and output gradients, every call's joined along the tokens in the
+    compute dtype (float32 at least; a bfloat16 tensor's float32 copy is exact)."""
+    dtype = _compute_dtype(*inputs, *grads)
+    return ghost_parts(_joined(inputs, dtype), _joined(grads, dtype))
+
+
 def gram_error_bound(acts: torch.Tensor | None, grads: torch.Tensor, length: int) -> torch.Tensor:
     """An upper bound on the rounding error of a ghost norm ``Σ_{t,s} (aₜ·aₛ)(gₜ·gₛ)`` whose Gram entries are
     float32 (or float64) dot products of at most ``length`` terms and whose sum is float64.
@@ -168,12 +189,13 @@ class GramBounds:
     def __init__(self) -> None:
         self.groups: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
 
-    def add(self, acts: torch.Tensor, grads: torch.Tensor, length: int) -> None:
-        """Defers the bound of the ghost norms of ``acts`` ``[N, T, d_in]`` and ``grads`` ``[N, T, d_out]``."""
-        key = (*acts.shape, grads.shape[2], length, acts.dtype, grads.dtype, acts.device)
-        act_norms, grad_norms = self.groups.setdefault(key, ([], []))
-        act_norms.append(torch.linalg.vector_norm(acts, dim=2))  # [N, T]
-        grad_norms.append(torch.linalg.vector_norm(grads, dim=2))  # [N, T]
+    def add(self, act_norms: torch.Tensor, grad_norms: torch.Tensor, d_in: int, d_out: int, length: int) -> None:
+        """Defers the bound of ghost norms whose token norms are ``act_norms`` and ``grad_norms`` (``[N, T]`` each, of
+        ``d_in``- and ``d_out``-vectors, as :func:`ghost_parts` gives them)."""
+        key = (*act_norms.shape, d_in, d_out, length, act_norms.dtype, grad_norms.dtype, act_norms.device)
+        act_rows, grad_rows = self.groups.setdefault(key, ([], []))
+        act_rows.append(act_norms)
+        grad_rows.append(grad_norms)
 
     def total(self, batch_size: int, device: torch.device) -> torch.Tensor:
         """``[B]`` float64: each sample's sum of the deferred bounds (rows ``N = B·g``, ``g`` groups per sample)."""
@@ -295,6 +317,11 @@ class Rule:
         else:
             self.per_sample[param] = grads
 
+    def start_norms(self, submit: Callable[..., Future]) -> None:
+        """Called after each :meth:`record` when helper threads may take part of the norms (``submit``, an executor's:
+        it runs a function in full float32 on a core torch leaves idle); a rule with nothing worth handing over ignores
+        it."""
+
     def squared_norms(self, batch_size: int, device: torch.device, bounds: GramBounds | None = None, *,
                       materialised: bool = True) -> torch.Tensor:
         """``[B]`` squared per-sample gradient norms over this rule's parameters (0 for an unused layer). The caller
@@ -340,6 +367,7 @@ class MatmulRule(Rule):
         self.ghost_inputs: list[torch.Tensor] = []
         self.ghost_grads: list[torch.Tensor] = []
         self.materialise: bool | None = None
+        self.started: tuple[torch.Tensor, torch.Tensor, Future] | None = None  # a helper's ghost parts, and of what
 
     def record_tokens(self, acts: torch.Tensor, grads: torch.Tensor) -> None:
         """acts: [B, g, T, d_in]; grads: [B, g, T, d_out]. Kept for the ghost norm in their own dtype (bfloat16
@@ -363,6 +391,25 @@ class MatmulRule(Rule):
             self.ghost_grads.append(grads)
             self.keep(acts, grads)
 
+    def start_norms(self, submit: Callable[..., Future]) -> None:
+        """Hands the ghost parts (:func:`ghost_parts`: the Gram matrices, and the token norms of the rounding bound) of
+        the layer's one call so far to a helper, for :meth:`squared_norms` to take instead of computing them. A second
+        call drops them (the Gram matrices span every call's tokens). CPU tensors only: a device runs its kernels on
+        its own queue, and a helper thread would only add launches."""
+        self.started = None
+        if len(self.ghost_inputs) == 1 and self.ghost_inputs[0].device.type == "cpu":
+            acts, grads = self.ghost_inputs[0], self.ghost_grads[0]
+            self.started = (acts, grads, submit(joined_ghost_parts, [acts], [grads]))
+
+    def _ghost_parts(self) -> tuple[torch.Tensor, ...]:
+        """:func:`joined_ghost_parts` of the kept tensors: the helper's, when it was handed exactly these, else computed
+        here."""
+        if self.started is not None:
+            acts, grads, parts = self.started
+            if len(self.ghost_inputs) == 1 and self.ghost_inputs[0] is acts and self.ghost_grads[0] is grads:
+                return parts.result()
+        return joined_ghost_parts(self.ghost_inputs, self.ghost_grads)
+
     def _ghost_pair(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The kept inputs and output gradients of every call, in the compute dtype (float32 at least)."""
         dtype = _compute_dtype(*self.ghost_inputs, *self.ghost_grads)
@@ -372,18 +419,12 @@ class MatmulRule(Rule):
                       materialised: bool = True) -> torch.Tensor:
         total = super().squared_norms(batch_size, device, bounds, materialised=materialised)
         if self.ghost_inputs:
-            acts, grads = self._ghost_pair()
-            if acts.shape[1] == 1:  # 1 x 1 Grams
-                ghost = acts.square().sum((1, 2)).double() * grads.square().sum((1, 2)).double()  # ghost: [B*g]
-            else:
-                act_gram = torch.bmm(acts, acts.transpose(1, 2))  # act_gram: [B*g, T, T]
-                grad_gram = torch.bmm(grads, grads.transpose(1, 2))  # grad_gram: [B*g, T, T]
-                ghost = torch.linalg.vecdot(act_gram.flatten(1).double(), grad_gram.flatten(1).double())  # [B*g]
-            length = acts.shape[2] + grads.shape[2]
+            ghost, act_norms, grad_norms = self._ghost_parts()  # [B*g], [B*g, T], [B*g, T]
+            d_in, d_out = self.ghost_inputs[0].shape[2], self.ghost_grads[0].shape[2]
             if bounds is None:
-                ghost = ghost + gram_error_bound(acts, grads, length)
+                ghost = ghost + bound_from_token_norms(act_norms, d_in, grad_norms, d_out, d_in + d_out)
             else:
-                bounds.add(acts, grads, length)
+                bounds.add(act_norms, grad_norms, d_in, d_out, d_in + d_out)
             total += ghost.view(batch_size, -1).sum(1).float()
         return total
 
@@ -444,6 +485,7 @@ class MatmulRule(Rule):
     def zero_samples(self, keep: torch.Tensor) -> None:
         super().zero_samples(keep)
         keep = keep.repeat_interleave(self.groups)
+        self.started = None
         self.ghost_inputs = [_zero_rows(a, keep) for a in self.ghost_inputs]
         self.ghost_grads = [_zero_rows(g, keep) for g in self.ghost_grads]
         self.kept = []

@@ -394,8 +394,8 @@ def test_the_deferred_bounds_give_the_squared_norms_of_each_layer_bounding_its_o
             super().__init__()
             self.rows = []
 
-        def add(self, acts, grads, length):
-            self.rows.append(per_sample.gram_error_bound(acts, grads, length))
+        def add(self, act_norms, grad_norms, d_in, d_out, length):
+            self.rows.append(per_sample.bound_from_token_norms(act_norms, d_in, grad_norms, d_out, length))
 
         def total(self, batch_size, device):
             return sum(rows.view(batch_size, -1).sum(1) for rows in self.rows)
@@ -934,7 +934,8 @@ def test_the_deferred_rounding_bounds_of_layers_of_one_shape_are_each_layers_own
     layers.append((torch.randn(batch * groups, 4, 11), torch.randn(batch * groups, 4, 6)))  # another shape
     bounds = per_sample.GramBounds()
     for acts, grads in layers:
-        bounds.add(acts, grads, acts.shape[2] + grads.shape[2])
+        _, act_norms, grad_norms = per_sample.ghost_parts(acts, grads)
+        bounds.add(act_norms, grad_norms, acts.shape[2], grads.shape[2], acts.shape[2] + grads.shape[2])
     each = sum(per_sample.gram_error_bound(a, g, a.shape[2] + g.shape[2]).view(batch, groups).sum(1) for a, g in layers)
     assert len(bounds.groups) == 2
     assert torch.allclose(bounds.total(batch, torch.device("cpu")), each, rtol=1e-12, atol=0)
@@ -1151,3 +1152,129 @@ def test_an_infinite_clipping_norm_or_noise_multiplier_is_refused(field, value):
     arguments = {"max_grad_norm": 1.0, "noise_multiplier": 1.0, field: value}
     with pytest.raises(ValueError, match=f"{field} must be finite"):
         ClippedGradientSum(nn.Linear(2, 2), noise=RandomStream(1, 0, "noise"), **arguments)
+
+
+# ------------------------------------------------------------------------------------ ghost norms on idle cores
+
+
+@pytest.fixture
+def cores(monkeypatch):
+    """``cores(usable, threads)``: the step sees ``usable`` cores beside ``threads`` torch threads. Returns the names of
+    the threads that compute each layer's ghost parts, as they come."""
+    import threading
+
+    from vip_core.privacy import engine
+
+    computed_on, ghost_parts = [], per_sample.ghost_parts
+
+    def spy(acts, grads):
+        computed_on.append(threading.current_thread().name)
+        return ghost_parts(acts, grads)
+
+    monkeypatch.setattr(per_sample, "ghost_parts", spy)
+    previous = torch.get_num_threads()
+
+    def set_cores(usable, threads):
+        monkeypatch.setattr(engine, "usable_cores", lambda: usable)
+        torch.set_num_threads(threads)
+        computed_on.clear()
+        return computed_on
+
+    yield set_cores
+    torch.set_num_threads(previous)
+
+
+def mixed_net_step(physical):
+    torch.manual_seed(0)
+    model, inputs = MixedNet(), torch.randn(5, 3, 8, 8)
+    inputs[3, 0, 0, 0] = float("inf")
+    clipped = ClippedGradientSum(model, max_grad_norm=0.5, noise_multiplier=2.0, noise=RandomStream(7, 0, "noise"))
+    clipped.add(lambda m, x: m(x).sum(-1), inputs, physical_batch_size=physical)
+    stats = clipped.privatize(expected_batch_size=4.0)
+    return [p.grad for p in model.parameters()], stats
+
+
+def bf16_mae_step(physical):
+    torch.manual_seed(0)
+    model, inputs = tiny_mae(), mae_inputs(6)
+
+    def loss(m, batch):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return mae_loss(m, batch).float()
+
+    clipped = ClippedGradientSum(model, max_grad_norm=0.05, noise_multiplier=1.0, noise=RandomStream(7, 0, "noise"))
+    clipped.add(loss, inputs, physical_batch_size=physical)
+    stats = clipped.privatize(expected_batch_size=6.0)
+    return [p.grad for p in model.parameters() if p.requires_grad], stats
+
+
+@pytest.mark.parametrize("step", [mixed_net_step, bf16_mae_step], ids=["mixed", "bf16-mae"])
+@pytest.mark.parametrize("physical", [None, 2])
+def test_ghost_norms_on_an_idle_core_give_bit_identical_gradients(monkeypatch, cores, step, physical):
+    """Beside one torch thread on two cores, the helper computes the ghost norms while the backward runs: grouped
+    convolutions, a Linear called twice (its Gram matrices span both calls: computed on the calling thread), a
+    sample that is not finite, microbatches, bfloat16 kept tensors. Every gradient, noise included, and every
+    statistic is bit for bit the one computed without the helper."""
+    monkeypatch.setattr(per_sample, "materialise_is_cheaper", lambda *args: False)
+    alone = cores(1, 1)
+    expected, expected_stats = step(physical)
+    assert set(alone) == {"MainThread"}
+    helped = cores(2, 1)
+    got, stats = step(physical)
+    assert any(name.startswith("vip-helper") for name in helped)
+    assert ("MainThread" in helped) == (step is mixed_net_step)  # the Linear called twice
+    assert repr(stats) == repr(expected_stats)  # the mixed net's loss sum is nan, which == would refuse
+    assert all(torch.equal(g, e) for g, e in zip(got, expected))
+
+
+def test_ghost_norms_stay_on_the_calling_thread_when_idle_cores_are_fewer_than_torch_threads(cores):
+    """Three cores beside two torch threads: a helper draws the noise on the idle core, but a helper's matmuls would
+    run two threads there, so the norms stay on the calling thread."""
+    computed_on = cores(3, 2)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 300), nn.Linear(300, 300))
+    clipped = ClippedGradientSum(model, max_grad_norm=1.0, noise_multiplier=1.0, noise=RandomStream(1, 0, "noise"))
+    clipped.add(lambda m, x: m(x).sum((1, 2)), torch.randn(4, 3, 3))
+    clipped.privatize(expected_batch_size=4.0)
+    assert clipped.noise.early and clipped.norm_helpers is None
+    assert computed_on and set(computed_on) == {"MainThread"}
+
+
+def test_a_ghost_norm_that_fails_on_a_helper_fails_the_step_and_stops_the_helpers(monkeypatch, cores):
+    import threading
+
+    cores(2, 1)
+    ghost_parts = per_sample.ghost_parts
+
+    def failing_off_the_main_thread(acts, grads):
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("the helper failed")
+        return ghost_parts(acts, grads)
+
+    monkeypatch.setattr(per_sample, "ghost_parts", failing_off_the_main_thread)
+    model = nn.Sequential(nn.Linear(3, 300), nn.Linear(300, 300))
+    clipped = ClippedGradientSum(model, max_grad_norm=1.0, noise_multiplier=1.0, noise=RandomStream(1, 0, "noise"))
+    with pytest.raises(RuntimeError, match="the helper failed"):
+        clipped.add(lambda m, x: m(x).sum((1, 2)), torch.randn(4, 3, 3))
+    with pytest.raises(RuntimeError, match="shutdown"):
+        clipped.helpers.submit(print)
+    with pytest.raises(RuntimeError, match="failed part-way"):
+        clipped.privatize(expected_batch_size=4.0)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_an_output_gradient_edited_after_a_helper_took_it_is_still_refused_by_name(monkeypatch, cores):
+    """The helper may read the gradient before or after the edit (or not at all: the step fails first and cancels it);
+    either way the step is refused."""
+    cores(2, 1)
+    handed, start_norms = [], per_sample.MatmulRule.start_norms
+
+    def spy(rule, submit):
+        start_norms(rule, submit)
+        handed.append(rule.started is not None)
+
+    monkeypatch.setattr(per_sample.MatmulRule, "start_norms", spy)
+    with pytest.raises(RuntimeError, match="output gradient of layer 'layer' was modified in place"):
+        privatized_gradients(GradientEditedAfterTheLayer(nn.Linear(32, 32)), lambda m, x: m(x), torch.randn(6, 4, 32),
+                             max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=1.0)
+    assert handed == [True]
