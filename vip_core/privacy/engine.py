@@ -32,7 +32,6 @@ sum use it.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import threading
@@ -173,10 +172,11 @@ class ClippedGradientSum:
         draw = GaussianDraw(noise, noise_multiplier * max_grad_norm) if noise_multiplier > 0 else None
         threads = torch.get_num_threads()
         idle = usable_cores() - threads
-        self.helpers = ThreadPoolExecutor(idle, "vip-helper") if idle > 0 else None  # on the cores torch leaves idle
+        self.helpers = idle_core_helpers(idle)
+        self.handed: list[Future] = []  # the ghost norms handed to the helpers
         # The ghost norms go to the helpers only where a helper's torch operations (on torch's number of threads) fit
         # the idle cores beside the step's own.
-        self.norm_helpers = _in_full_float32(self.helpers) if self.helpers is not None and idle >= threads else None
+        self.norm_helpers = self._hand_over if self.helpers is not None and idle >= threads else None
         self.noise = _StepNoise(self.plan.params, draw, self.helpers)
         self.closed: str | None = None  # why it refuses to go on, once it does
 
@@ -202,7 +202,7 @@ class ClippedGradientSum:
         self.closed = "was privatized already: its noise is spent, so it cannot sum or privatize another batch"
         with self._closed_on_error():
             self.noise.settle(self.plan.params, self.sums)
-        self._stop_helpers()
+        self._cancel_handed()
         divided = self.noise.divide_in_place(self.sums, expected_batch_size)
         for param in self.plan.params:
             total = self.sums.pop(param) if param in self.sums else torch.zeros_like(param)
@@ -223,23 +223,55 @@ class ClippedGradientSum:
         except BaseException:
             self.closed = "failed part-way: its sums hold part of a batch, so it cannot go on"
             self.noise.stop()
-            self._stop_helpers()
+            self._cancel_handed()
             raise
 
-    def _stop_helpers(self) -> None:
-        """Stops the helper threads, work not started cancelled (nothing is left to do once the noise is settled)."""
-        if self.helpers is not None:
-            self.helpers.shutdown(wait=False, cancel_futures=True)
+    def _hand_over(self, function: Callable, *args: Any) -> Future:
+        """Runs ``function(*args)`` on a helper thread in full float32 (:func:`_in_full_float32`)."""
+        future = self.helpers.submit(_in_full_float32, function, *args)
+        self.handed.append(future)
+        return future
+
+    def _cancel_handed(self) -> None:
+        """Cancels the ghost norms handed to the helpers that no helper has started (a layer's first call's, dropped
+        by its second call; or all of a step that failed): the helpers stay for the next step."""
+        for future in self.handed:
+            future.cancel()
 
 
-def _in_full_float32(executor: ThreadPoolExecutor) -> Callable[..., Future]:
-    """``executor.submit`` of a function run in :func:`full_float32` without autograd (a helper thread's autocast and
-    grad mode are its own, not the step's)."""
-    def run(function: Callable, *args: Any) -> Any:
-        with torch.no_grad(), full_float32(torch.device("cpu")):
-            return function(*args)
+def _in_full_float32(function: Callable, *args: Any) -> Any:
+    """``function(*args)`` in :func:`full_float32` without autograd: a helper thread's autocast and grad mode are its
+    own, not the step's."""
+    with torch.no_grad(), full_float32(torch.device("cpu")):
+        return function(*args)
 
-    return functools.partial(executor.submit, run)
+
+_HELPERS_LOCK = threading.Lock()
+_helpers: tuple[int, ThreadPoolExecutor] | None = None  # the process's idle-core helpers, and how many
+
+
+def idle_core_helpers(idle: int) -> ThreadPoolExecutor | None:
+    """The process's ``idle`` helper threads for the cores torch's threads leave idle (None for none), kept from step to
+    step: a thread's first matmul costs 3-8 ms of BLAS set-up here, which helpers made afresh paid every step. A
+    different count replaces them (the old ones finish what they have)."""
+    global _helpers
+    if idle <= 0:
+        return None
+    with _HELPERS_LOCK:
+        if _helpers is None or _helpers[0] != idle:
+            if _helpers is not None:
+                _helpers[1].shutdown(wait=False)
+            _helpers = (idle, ThreadPoolExecutor(idle, "vip-helper"))
+        return _helpers[1]
+
+
+def _forget_helpers() -> None:
+    """In a forked child: the parent's helper threads are not there."""
+    global _helpers
+    _helpers = None
+
+
+os.register_at_fork(after_in_child=_forget_helpers)
 
 
 HELPER_DRAWN_DEVICES = frozenset({"cpu"})  # device types whose noise helper threads draw; the others draw their own
@@ -301,7 +333,7 @@ class _StepNoise:
         self.starting = threading.Lock()  # start() may be called from autograd's device threads at once
         self.early = False
         self.pool: ThreadPoolExecutor | None = None
-        self.own_pool = False  # the pool is this noise's (else the caller's, which stops it)
+        self.own_pool = False  # the pool is this noise's (else the idle cores' helpers, kept between steps)
         if draw is not None and self.helped:
             self.early = idle_helpers is not None
             self.own_pool = not self.early
@@ -405,9 +437,13 @@ class _StepNoise:
             future.result()
 
     def stop(self) -> None:
-        """Stops its own helper threads, pending draws cancelled (the caller stops the idle cores' helpers)."""
+        """Stops the draws no helper has started: its own helper threads with them, or its blocks queued on the idle
+        cores' helpers, which stay for the next step."""
         if self.own_pool:
             self.pool.shutdown(wait=False, cancel_futures=True)
+        for vector in self.helped:
+            for future in vector.futures:
+                future.cancel()
 
 
 def usable_cores() -> int:

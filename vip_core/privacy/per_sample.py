@@ -73,6 +73,14 @@ def add_product_to_sum(sums: Sums, param: nn.Parameter, left: torch.Tensor, righ
 STACKED_ELEMENTS = 1 << 24  # the most elements the grouped materialised norms and sums stack at once (64 MiB float32)
 
 
+# The least Gram work (multiply-adds, ``rows · T² · (d_in + d_out)``) that a layer hands to a helper thread. A hand-
+# off costs the calling thread its turns at the interpreter lock while the helper dispatches a dozen operations: up to
+# 0.1 ms when the calling thread is busy in Python itself. Measured here (one torch thread beside one idle core, the
+# DP step against the non-private one in one process): every layer handed over made the host stand-in step of ViP-Base
+# (width 48, 2 to 5 tokens) x2.82 instead of x2.29; from 2^19 none of its layers goes (x2.33), and ViP-Nano went from
+# x1.119 to x1.068 (x1.086 from 2^23, which keeps its encoder's layers), the tiny preset from x1.48 to x1.43.
+HELPER_MIN_GRAM_WORK = 1 << 19
+
 PerSample = list[tuple[nn.Parameter, torch.Tensor]]  # materialised per-sample gradients with their parameters
 
 
@@ -393,13 +401,16 @@ class MatmulRule(Rule):
 
     def start_norms(self, submit: Callable[..., Future]) -> None:
         """Hands the ghost parts (:func:`ghost_parts`: the Gram matrices, and the token norms of the rounding bound) of
-        the layer's one call so far to a helper, for :meth:`squared_norms` to take instead of computing them. A second
-        call drops them (the Gram matrices span every call's tokens). CPU tensors only: a device runs its kernels on
-        its own queue, and a helper thread would only add launches."""
+        the layer's one call so far to a helper, for :meth:`squared_norms` to take instead of computing them, when
+        its Gram matrices are worth a hand-off (:data:`HELPER_MIN_GRAM_WORK`). A second call drops them (the Gram
+        matrices span every call's tokens). CPU tensors only: a device runs its kernels on its own queue, and a
+        helper thread would only add launches."""
         self.started = None
         if len(self.ghost_inputs) == 1 and self.ghost_inputs[0].device.type == "cpu":
             acts, grads = self.ghost_inputs[0], self.ghost_grads[0]
-            self.started = (acts, grads, submit(joined_ghost_parts, [acts], [grads]))
+            rows, tokens = acts.shape[:2]
+            if rows * tokens**2 * (acts.shape[2] + grads.shape[2]) >= HELPER_MIN_GRAM_WORK:
+                self.started = (acts, grads, submit(joined_ghost_parts, [acts], [grads]))
 
     def _ghost_parts(self) -> tuple[torch.Tensor, ...]:
         """:func:`joined_ghost_parts` of the kept tensors: the helper's, when it was handed exactly these, else computed

@@ -1160,11 +1160,12 @@ def test_an_infinite_clipping_norm_or_noise_multiplier_is_refused(field, value):
 @pytest.fixture
 def cores(monkeypatch):
     """``cores(usable, threads)``: the step sees ``usable`` cores beside ``threads`` torch threads. Returns the names of
-    the threads that compute each layer's ghost parts, as they come."""
+    the threads that compute each layer's ghost parts, as they come. Every layer's Gram is worth a hand-off."""
     import threading
 
     from vip_core.privacy import engine
 
+    monkeypatch.setattr(per_sample, "HELPER_MIN_GRAM_WORK", 0)
     computed_on, ghost_parts = [], per_sample.ghost_parts
 
     def spy(acts, grads):
@@ -1240,6 +1241,20 @@ def test_ghost_norms_stay_on_the_calling_thread_when_idle_cores_are_fewer_than_t
     assert computed_on and set(computed_on) == {"MainThread"}
 
 
+def test_only_layers_whose_gram_matrices_are_worth_a_hand_off_go_to_a_helper(monkeypatch, cores):
+    """A hand-off costs the calling thread more than a small layer's Gram matrices: a layer whose Gram work
+    (rows · T² · (d_in + d_out) multiply-adds) reaches the bound goes to the helper, the smaller ones stay."""
+    computed_on = cores(2, 1)
+    monkeypatch.setattr(per_sample, "HELPER_MIN_GRAM_WORK", 32 * 17**2 * (512 + 64) + 1)  # above the second layer's
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 64), nn.Linear(64, 64))  # all three ghost layers
+    clipped = ClippedGradientSum(model, max_grad_norm=1.0, noise_multiplier=1.0, noise=RandomStream(1, 0, "noise"))
+    clipped.add(lambda m, x: m(x).sum((1, 2)), torch.randn(32, 17, 512))
+    clipped.privatize(expected_batch_size=32.0)
+    # the norms are read in model order: the first layer's waits for the helper, the others are computed after it
+    assert computed_on[0].startswith("vip-helper") and computed_on[1:] == ["MainThread", "MainThread"]
+
+
 def test_a_ghost_norm_that_fails_on_a_helper_fails_the_step_and_stops_the_helpers(monkeypatch, cores):
     import threading
 
@@ -1256,11 +1271,32 @@ def test_a_ghost_norm_that_fails_on_a_helper_fails_the_step_and_stops_the_helper
     clipped = ClippedGradientSum(model, max_grad_norm=1.0, noise_multiplier=1.0, noise=RandomStream(1, 0, "noise"))
     with pytest.raises(RuntimeError, match="the helper failed"):
         clipped.add(lambda m, x: m(x).sum((1, 2)), torch.randn(4, 3, 3))
-    with pytest.raises(RuntimeError, match="shutdown"):
-        clipped.helpers.submit(print)
     with pytest.raises(RuntimeError, match="failed part-way"):
         clipped.privatize(expected_batch_size=4.0)
     assert all(p.grad is None for p in model.parameters())
+    monkeypatch.setattr(per_sample, "ghost_parts", ghost_parts)  # the next step has the same helpers, and works
+    again = ClippedGradientSum(model, max_grad_norm=1.0, noise_multiplier=1.0, noise=RandomStream(1, 0, "noise"))
+    again.add(lambda m, x: m(x).sum((1, 2)), torch.randn(4, 3, 3))
+    again.privatize(expected_batch_size=4.0)
+    assert again.helpers is clipped.helpers and all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_the_idle_cores_helpers_are_kept_from_step_to_step_and_replaced_when_their_count_changes(cores):
+    """A thread's first matmul costs milliseconds of BLAS set-up: helpers made afresh would pay it every step."""
+    import threading
+
+    names = []
+    for usable in (2, 2, 3):
+        cores(usable, 1)
+        model = nn.Sequential(nn.Linear(3, 300), nn.Linear(300, 300))
+        clipped = ClippedGradientSum(model, max_grad_norm=1.0, noise_multiplier=1.0, noise=RandomStream(1, 0, "noise"))
+        clipped.add(lambda m, x: m(x).sum((1, 2)), torch.randn(4, 3, 3))
+        clipped.privatize(expected_batch_size=4.0)
+        names.append((clipped.helpers, clipped.helpers.submit(lambda: threading.current_thread().ident).result()))
+    (first, thread), (second, same_thread), (third, _) = names
+    assert second is first and same_thread == thread and third is not first
+    with pytest.raises(RuntimeError, match="shutdown"):  # replaced: what it had is done, and it takes no more
+        first.submit(print)
 
 
 def test_an_output_gradient_edited_after_a_helper_took_it_is_still_refused_by_name(monkeypatch, cores):
