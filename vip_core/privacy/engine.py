@@ -202,7 +202,7 @@ class ClippedGradientSum:
         self.closed = "was privatized already: its noise is spent, so it cannot sum or privatize another batch"
         with self._closed_on_error():
             self.noise.settle(self.plan.params, self.sums)
-        self._cancel_handed()
+        self._finish_handed()
         divided = self.noise.divide_in_place(self.sums, expected_batch_size)
         for param in self.plan.params:
             total = self.sums.pop(param) if param in self.sums else torch.zeros_like(param)
@@ -223,7 +223,7 @@ class ClippedGradientSum:
         except BaseException:
             self.closed = "failed part-way: its sums hold part of a batch, so it cannot go on"
             self.noise.stop()
-            self._cancel_handed()
+            self._finish_handed()
             raise
 
     def _hand_over(self, function: Callable, *args: Any) -> Future:
@@ -232,11 +232,14 @@ class ClippedGradientSum:
         self.handed.append(future)
         return future
 
-    def _cancel_handed(self) -> None:
-        """Cancels the ghost norms handed to the helpers that no helper has started (a layer's first call's, dropped
-        by its second call; or all of a step that failed): the helpers stay for the next step."""
+    def _finish_handed(self) -> None:
+        """Cancels the ghost norms handed to the helpers that no helper has started (all of a step that failed) and
+        waits for the ones running: none may outlive the step, since a helper inside :func:`full_float32` keeps the
+        process's float32 settings as the step found them, which the next step would then not set. The helpers stay
+        for the next step."""
         for future in self.handed:
             future.cancel()
+        wait(self.handed)
 
 
 def _in_full_float32(function: Callable, *args: Any) -> Any:
@@ -253,14 +256,12 @@ _helpers: tuple[int, ThreadPoolExecutor] | None = None  # the process's idle-cor
 def idle_core_helpers(idle: int) -> ThreadPoolExecutor | None:
     """The process's ``idle`` helper threads for the cores torch's threads leave idle (None for none), kept from step to
     step: a thread's first matmul costs 3-8 ms of BLAS set-up here, which helpers made afresh paid every step. A
-    different count replaces them (the old ones finish what they have)."""
+    different count makes new ones; the old ones serve whoever holds them and end when nobody does."""
     global _helpers
     if idle <= 0:
         return None
     with _HELPERS_LOCK:
         if _helpers is None or _helpers[0] != idle:
-            if _helpers is not None:
-                _helpers[1].shutdown(wait=False)
             _helpers = (idle, ThreadPoolExecutor(idle, "vip-helper"))
         return _helpers[1]
 

@@ -405,6 +405,8 @@ class MatmulRule(Rule):
         its Gram matrices are worth a hand-off (:data:`HELPER_MIN_GRAM_WORK`). A second call drops them (the Gram
         matrices span every call's tokens). CPU tensors only: a device runs its kernels on its own queue, and a
         helper thread would only add launches."""
+        if self.started is not None:  # a second call: the first call's Gram matrices alone are of no use
+            self.started[2].cancel()
         self.started = None
         if len(self.ghost_inputs) == 1 and self.ghost_inputs[0].device.type == "cpu":
             acts, grads = self.ghost_inputs[0], self.ghost_grads[0]
