@@ -22,7 +22,8 @@ H200 at ViP-Base shapes), which the side going second would never pay. Each bloc
 steps are untimed on both sides (the shards side waits there for its first sample's decoding, a cost a run
 pays once, not every ``--steps`` steps, and decodes the next samples while no step runs); images/s is
 realised images over wall time.
-``input_ratio`` = shards / in-memory (target >= 0.95). ``loader_images_per_s_per_proc``: the pipeline's decode
+``input_ratio`` = shards / in-memory over all timed blocks (target >= 0.95), with each round's own ratio beside it
+(``input_ratio_per_round``, ``input_ratio_min``, ``input_ratio_max``): its spread. ``loader_images_per_s_per_proc``: the pipeline's decode
 alone (read, JPEG draft decode, resize, uint8) on one thread over every image. On a shared machine the figures
 are noisy: the load average is printed with them.
 
@@ -77,20 +78,24 @@ def bench_train(*, preset: str, img_size: int | None, batch: int, images: int, s
             started = time.perf_counter()
             memory = partition.pixels(torch.arange(len(partition)))  # memory: [N, 3, S, S] uint8
             loader_rate = len(partition) / (time.perf_counter() - started)
-            rates = _interleaved(config, partition, memory, batch=batch, steps=steps, rounds=rounds, warmup=warmup,
-                                 decode_workers=decode_workers, decode_mode=decode_mode, ahead=ahead,
-                                 precision=precision, seed=seed, device=where)
+            blocks = _interleaved(config, partition, memory, batch=batch, steps=steps, rounds=rounds, warmup=warmup,
+                                  decode_workers=decode_workers, decode_mode=decode_mode, ahead=ahead,
+                                  precision=precision, seed=seed, device=where)
         used_threads = torch.get_num_threads()
     finally:
         torch.set_num_threads(previous_threads)
+    rates = {name: _rate(side) for name, side in blocks.items()}
     ratio = rates["shards"] / rates["in_memory"]
+    per_round = _round_ratios(blocks)
     return {
         "benchmark": "train", "preset": preset, "device": device, "img_size": config.model.img_size, "batch": batch,
         "images": images, "source_side": source_side, "precision": precision, "steps": steps, "rounds": rounds,
         "torch_threads": used_threads, "decode_mode": decode_mode, "decode_workers": decode_workers,
         "ahead": ahead, "untimed_steps_per_block": ahead + 1,
         "step_images_per_s": round(rates["shards"], 2), "in_memory_images_per_s": round(rates["in_memory"], 2),
-        "input_ratio": round(ratio, 4), "loader_images_per_s_per_proc": round(loader_rate, 1),
+        "input_ratio": round(ratio, 4), "input_ratio_per_round": [round(r, 4) for r in per_round],
+        "input_ratio_min": round(min(per_round), 4), "input_ratio_max": round(max(per_round), 4),
+        "loader_images_per_s_per_proc": round(loader_rate, 1),
         "target_input_ratio": TARGET_INPUT_RATIO, "meets_target": ratio >= TARGET_INPUT_RATIO,
         "load_average": round(os.getloadavg()[0], 2),
     }
@@ -110,8 +115,8 @@ def _write_photos(folder: Path, count: int, side: int) -> Path:
 
 def _interleaved(config: Any, partition: Any, memory: Any, *, batch: int, steps: int, rounds: int, warmup: int,
                  decode_workers: int, decode_mode: str, ahead: int, precision: str, seed: int,
-                 device: Any) -> dict[str, float]:
-    """Images/s of each side over all its timed blocks."""
+                 device: Any) -> dict[str, list[tuple[int, float]]]:
+    """The ``(images, seconds)`` of each side's timed blocks, one a round."""
     import torch
 
     from tasks.benchmarks.device import finish
@@ -125,7 +130,7 @@ def _interleaved(config: Any, partition: Any, memory: Any, *, batch: int, steps:
     pipeline.load_state_dict(in_memory.sampler.state_dict())  # the same Poisson samples on both sides
     gather = (lambda local: memory[local].pin_memory()) if device.type == "cuda" else (lambda local: memory[local])
     sources = {"in_memory": (in_memory, gather), "shards": (shards, pipeline.pixels)}
-    totals = {name: [0, 0.0] for name in sources}
+    blocks: dict[str, list[tuple[int, float]]] = {name: [] for name in sources}  # (images, seconds) of each block
     for attempt in range(rounds):
         for name, (step, pixels) in _ordered(sources, attempt):
             # untimed: the warm-up, then each block's first ahead + 1 steps (the pipeline starts cold once per
@@ -133,13 +138,23 @@ def _interleaved(config: Any, partition: Any, memory: Any, *, batch: int, steps:
             _block(step, pixels, precision, (warmup if attempt == 0 else 0) + ahead + 1)
             finish(device)
             started = time.perf_counter()
-            totals[name][0] += _block(step, pixels, precision, steps)
+            images = _block(step, pixels, precision, steps)
             finish(device)
-            totals[name][1] += time.perf_counter() - started
+            blocks[name].append((images, time.perf_counter() - started))
             if name == "shards":
                 pipeline.load_state_dict(pipeline.state_dict())  # the next block starts cold
     pipeline.close()
-    return {name: images / seconds for name, (images, seconds) in totals.items()}
+    return blocks
+
+
+def _rate(blocks: list[tuple[int, float]]) -> float:
+    """Images/s over ``blocks`` of ``(images, seconds)``."""
+    return sum(images for images, _ in blocks) / sum(seconds for _, seconds in blocks)
+
+
+def _round_ratios(blocks: dict[str, list[tuple[int, float]]]) -> list[float]:
+    """Each round's shards / in-memory images/s: the spread of ``input_ratio``."""
+    return [_rate([shards]) / _rate([memory]) for shards, memory in zip(blocks["shards"], blocks["in_memory"])]
 
 
 def _ordered(sources: dict[str, Any], attempt: int) -> list[tuple[str, Any]]:

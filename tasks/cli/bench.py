@@ -95,8 +95,8 @@ def _register_train(benchmarks: Any) -> None:
     parser.add_argument("--source-side", type=count(1), default=256,
                         help="side of the stored JPEGs in pixels (default: 256)")
     parser.add_argument("--steps", type=count(1), default=6, help="timed steps per block (default: 6)")
-    parser.add_argument("--rounds", type=count(1), default=4,
-                        help="blocks of each side; the side going first alternates too (default: 4)")
+    parser.add_argument("--rounds", type=count(1), default=8,
+                        help="blocks of each side; the side going first alternates too (default: 8)")
     parser.add_argument("--warmup", type=count(0), default=2, help="untimed steps of each side first (default: 2)")
     parser.add_argument("--threads", type=count(0), default=1,
                         help="torch CPU threads (default: 1); 0 keeps torch's default")
@@ -118,7 +118,8 @@ def handle_train(args: argparse.Namespace) -> int:
                          ahead=args.ahead, precision=args.precision, device=args.device)
     lines = [f"DP step from shards {result['step_images_per_s']:8.1f} img/s   from memory "
              f"{result['in_memory_images_per_s']:8.1f} img/s   input_ratio {result['input_ratio']:.3f} "
-             f"(target >= {result['target_input_ratio']}: {result['meets_target']})",
+             f"(rounds {result['input_ratio_min']:.3f} to {result['input_ratio_max']:.3f}; "
+             f"target >= {result['target_input_ratio']}: {result['meets_target']})",
              f"loader alone {result['loader_images_per_s_per_proc']:8.1f} img/s per process; "
              f"{result['decode_workers']} decoding {result['decode_mode']}; "
              f"load average {result['load_average']}"]

@@ -11,7 +11,7 @@ import torch
 from tasks.cli import main
 from vip_core.train.pipeline import DECODE_MODE
 
-ARGS = ["bench", "train", "--images", "48", "--batch", "8", "--source-side", "64", "--steps", "1", "--rounds", "1",
+ARGS = ["bench", "train", "--images", "48", "--batch", "8", "--source-side", "64", "--steps", "1", "--rounds", "2",
         "--warmup", "0"]
 
 
@@ -21,6 +21,9 @@ def test_bench_train_prints_the_figures_as_json(capsys):
     for key in ("step_images_per_s", "in_memory_images_per_s", "input_ratio", "loader_images_per_s_per_proc"):
         assert isinstance(result[key], float) and result[key] > 0, key
     assert result["precision"] == "bf16" and result["target_input_ratio"] == 0.95
+    rounds = result["input_ratio_per_round"]  # the spread: each round's own ratio
+    assert len(rounds) == 2 and all(r > 0 for r in rounds)
+    assert (result["input_ratio_min"], result["input_ratio_max"]) == (min(rounds), max(rounds))
     assert result["decode_mode"] == DECODE_MODE and result["decode_workers"] == 2  # the pre-training worker's
 
 
@@ -28,6 +31,7 @@ def test_bench_train_prints_its_figures_beside_the_in_memory_baseline(capsys):
     assert main([*ARGS, "--decode-mode", "threads", "--decode-workers", "1"]) == 0
     out = capsys.readouterr().out
     assert "from memory" in out and "input_ratio" in out and "loader alone" in out and "1 decoding threads" in out
+    assert "rounds " in out and " to " in out
 
 
 def test_a_batch_larger_than_the_images_is_a_clear_error(capsys):
