@@ -332,12 +332,10 @@ class _StepNoise:
         self.settled: dict[nn.Parameter, torch.Tensor] = {}  # each settled parameter's noise, its running sum's start
         self.started = False
         self.starting = threading.Lock()  # start() may be called from autograd's device threads at once
-        self.early = False
+        self.early = False  # drawn by the idle cores' helpers (kept between steps), else by a pool of its own
         self.pool: ThreadPoolExecutor | None = None
-        self.own_pool = False  # the pool is this noise's (else the idle cores' helpers, kept between steps)
         if draw is not None and self.helped:
             self.early = idle_helpers is not None
-            self.own_pool = not self.early
             self.pool = idle_helpers or ThreadPoolExecutor(max(1, torch.get_num_threads()), "vip-noise")
 
     def _helped_vector(self, device: torch.device, numel: int) -> _NoiseVector:
@@ -395,7 +393,7 @@ class _StepNoise:
                 noise.add_(sums[param])
             sums[param] = noise
             self.settled[param] = noise
-        if len(self.settled) == len(self.shares) and self.own_pool:
+        if len(self.settled) == len(self.shares) and self._own_pool():
             self.pool.shutdown(wait=False)
 
     def divide_in_place(self, sums: Sums, divisor: float) -> set[nn.Parameter]:
@@ -437,10 +435,14 @@ class _StepNoise:
         for future in waits:
             future.result()
 
+    def _own_pool(self) -> bool:
+        """Whether the pool is this noise's, to stop once it is settled (the idle cores' helpers stay)."""
+        return self.pool is not None and not self.early
+
     def stop(self) -> None:
         """Stops the draws no helper has started: its own helper threads with them, or its blocks queued on the idle
         cores' helpers, which stay for the next step."""
-        if self.own_pool:
+        if self._own_pool():
             self.pool.shutdown(wait=False, cancel_futures=True)
         for vector in self.helped:
             for future in vector.futures:

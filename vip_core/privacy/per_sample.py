@@ -73,9 +73,9 @@ def add_product_to_sum(sums: Sums, param: nn.Parameter, left: torch.Tensor, righ
 STACKED_ELEMENTS = 1 << 24  # the most elements the grouped materialised norms and sums stack at once (64 MiB float32)
 
 
-# The least Gram work (multiply-adds, ``rows · T² · (d_in + d_out)``) that a layer hands to a helper thread. A hand-
-# off costs the calling thread its turns at the interpreter lock while the helper dispatches a dozen operations: up to
-# 0.1 ms when the calling thread is busy in Python itself. Measured here (one torch thread beside one idle core, the
+# The least Gram work (multiply-adds, ``rows · T² · (d_in + d_out)``) that a layer hands to a helper thread. A handing
+# over costs the calling thread its turns at the interpreter lock while the helper dispatches a dozen operations: up
+# to 0.1 ms when the calling thread is busy in Python itself. Measured here (one torch thread beside one idle core, the
 # DP step against the non-private one in one process): every layer handed over made the host stand-in step of ViP-Base
 # (width 48, 2 to 5 tokens) x2.82 instead of x2.29; from 2^19 none of its layers goes (x2.33), and ViP-Nano went from
 # x1.119 to x1.068 (x1.086 from 2^23, which keeps its encoder's layers), the tiny preset from x1.48 to x1.43.
@@ -135,11 +135,16 @@ def ghost_parts(acts: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, 
     return ghost, torch.linalg.vector_norm(acts, dim=2), torch.linalg.vector_norm(grads, dim=2)
 
 
-def joined_ghost_parts(inputs: list[torch.Tensor], grads: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """:func:`ghost_parts` of a layer's kept inputs and output gradients, every call's joined along the tokens in the
-    compute dtype (float32 at least; a bfloat16 tensor's float32 copy is exact)."""
+def joined_pair(inputs: list[torch.Tensor], grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's kept inputs and output gradients, every call's joined along the tokens, in the compute dtype (float32
+    at least; a bfloat16 tensor's float32 copy is exact)."""
     dtype = _compute_dtype(*inputs, *grads)
-    return ghost_parts(_joined(inputs, dtype), _joined(grads, dtype))
+    return _joined(inputs, dtype), _joined(grads, dtype)
+
+
+def joined_ghost_parts(inputs: list[torch.Tensor], grads: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """:func:`ghost_parts` of a layer's kept inputs and output gradients (:func:`joined_pair`)."""
+    return ghost_parts(*joined_pair(inputs, grads))
 
 
 def gram_error_bound(acts: torch.Tensor | None, grads: torch.Tensor, length: int) -> torch.Tensor:
@@ -326,9 +331,9 @@ class Rule:
             self.per_sample[param] = grads
 
     def start_norms(self, submit: Callable[..., Future]) -> None:
-        """Called after each :meth:`record` when helper threads may take part of the norms (``submit``, an executor's:
-        it runs a function in full float32 on a core torch leaves idle); a rule with nothing worth handing over ignores
-        it."""
+        """Called after each :meth:`record` when helper threads may take part of the norms (``submit(function, *args)``
+        runs it in full float32 on a core torch leaves idle and returns its Future); a rule with nothing worth handing
+        over ignores it."""
 
     def squared_norms(self, batch_size: int, device: torch.device, bounds: GramBounds | None = None, *,
                       materialised: bool = True) -> torch.Tensor:
@@ -423,11 +428,6 @@ class MatmulRule(Rule):
                 return parts.result()
         return joined_ghost_parts(self.ghost_inputs, self.ghost_grads)
 
-    def _ghost_pair(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The kept inputs and output gradients of every call, in the compute dtype (float32 at least)."""
-        dtype = _compute_dtype(*self.ghost_inputs, *self.ghost_grads)
-        return _joined(self.ghost_inputs, dtype), _joined(self.ghost_grads, dtype)
-
     def squared_norms(self, batch_size: int, device: torch.device, bounds: GramBounds | None = None, *,
                       materialised: bool = True) -> torch.Tensor:
         total = super().squared_norms(batch_size, device, bounds, materialised=materialised)
@@ -449,7 +449,7 @@ class MatmulRule(Rule):
         if tensor_cores and self.groups == 1 and self._splits():
             self._add_split_clipped_sum(factors, sums)
             return
-        acts, grads = self._ghost_pair()
+        acts, grads = joined_pair(self.ghost_inputs, self.ghost_grads)
         groups, d_in, d_out = self.groups, acts.shape[2], grads.shape[2]
         factors = factors.to(grads.dtype)
         if groups > 1:  # a copy: skipped for the common case
