@@ -187,6 +187,7 @@ class ClippedGradientSum:
             for chunk in split_batch(inputs, physical_batch_size):
                 _add_microbatch(self.plan, self.model, loss_fn, chunk, self.max_grad_norm, self.sums, self.totals,
                                 self.noise, self.tensor_core_sums, self.norm_helpers)
+            self._finish_handed()  # what a layer's second call dropped may still run: not past this call
 
     def privatize(self, *, expected_batch_size: float) -> StepStats:
         """Sets each trainable parameter's ``.grad`` to (sum + N(0, σ²C²I)) / expected_batch_size.
@@ -233,10 +234,10 @@ class ClippedGradientSum:
         return future
 
     def _finish_handed(self) -> None:
-        """Cancels the ghost norms handed to the helpers that no helper has started (all of a step that failed) and
-        waits for the ones running: none may outlive the step, since a helper inside :func:`full_float32` keeps the
-        process's float32 settings as the step found them, which the next step would then not set. The helpers stay
-        for the next step."""
+        """Cancels the ghost norms handed to the helpers that no helper has started (a layer's first call's, dropped by
+        its second call; all of a call that failed) and waits for the ones running: none may outlive the call that
+        handed it over, since a helper inside :func:`full_float32` keeps the process's float32 settings as the call
+        found them, which the next one would then not set. The helpers stay for the next step."""
         for future in self.handed:
             future.cancel()
         wait(self.handed)
@@ -250,26 +251,24 @@ def _in_full_float32(function: Callable, *args: Any) -> Any:
 
 
 _HELPERS_LOCK = threading.Lock()
-_helpers: tuple[int, ThreadPoolExecutor] | None = None  # the process's idle-core helpers, and how many
+_helpers: dict[int, ThreadPoolExecutor] = {}  # the process's idle-core helpers, by their number
 
 
 def idle_core_helpers(idle: int) -> ThreadPoolExecutor | None:
     """The process's ``idle`` helper threads for the cores torch's threads leave idle (None for none), kept from step to
-    step: a thread's first matmul costs 3-8 ms of BLAS set-up here, which helpers made afresh paid every step. A
-    different count makes new ones; the old ones serve whoever holds them and end when nobody does."""
-    global _helpers
+    step: a thread's first matmul costs 3-8 ms of BLAS set-up here, which helpers made afresh paid every step. One pool
+    per count, so a step holding one is never left with a stopped pool, and the threads stay bounded by the cores."""
     if idle <= 0:
         return None
     with _HELPERS_LOCK:
-        if _helpers is None or _helpers[0] != idle:
-            _helpers = (idle, ThreadPoolExecutor(idle, "vip-helper"))
-        return _helpers[1]
+        if idle not in _helpers:
+            _helpers[idle] = ThreadPoolExecutor(idle, "vip-helper")
+        return _helpers[idle]
 
 
 def _forget_helpers() -> None:
     """In a forked child: the parent's helper threads are not there."""
-    global _helpers
-    _helpers = None
+    _helpers.clear()
 
 
 os.register_at_fork(after_in_child=_forget_helpers)

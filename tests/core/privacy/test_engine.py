@@ -1281,21 +1281,23 @@ def test_a_ghost_norm_that_fails_on_a_helper_fails_the_step_and_the_next_step_st
     assert again.helpers is clipped.helpers and all(torch.isfinite(p.grad).all() for p in model.parameters())
 
 
-def test_the_idle_cores_helpers_are_kept_from_step_to_step_and_replaced_when_their_count_changes(cores):
-    """A thread's first matmul costs milliseconds of BLAS set-up: helpers made afresh would pay it every step."""
+def test_the_idle_cores_helpers_are_kept_from_step_to_step_one_pool_per_count(cores):
+    """A thread's first matmul costs milliseconds of BLAS set-up: helpers made afresh would pay it every step. A new
+    count of idle cores gets its own pool and leaves the others working (a step may hold one); coming back to a count
+    finds its pool, so the threads stay bounded (the second review's case: a pool per change piled threads up)."""
     import threading
 
     names = []
-    for usable in (2, 2, 3):
+    for usable in (2, 2, 3, 2):
         cores(usable, 1)
         model = nn.Sequential(nn.Linear(3, 300), nn.Linear(300, 300))
         clipped = ClippedGradientSum(model, max_grad_norm=1.0, noise_multiplier=1.0, noise=RandomStream(1, 0, "noise"))
         clipped.add(lambda m, x: m(x).sum((1, 2)), torch.randn(4, 3, 3))
         clipped.privatize(expected_batch_size=4.0)
         names.append((clipped.helpers, clipped.helpers.submit(lambda: threading.current_thread().ident).result()))
-    (first, thread), (second, same_thread), (third, _) = names
-    assert second is first and same_thread == thread and third is not first
-    assert first.submit(lambda: 1).result() == 1  # a step still holding the old helpers goes on (the review's case)
+    (first, thread), (second, same_thread), (third, _), (fourth, _) = names
+    assert second is first and same_thread == thread and third is not first and fourth is first
+    assert third.submit(lambda: 1).result() == 1  # a step holding the other count's helpers goes on
 
 
 class CalledTwice(nn.Module):
@@ -1310,7 +1312,7 @@ class CalledTwice(nn.Module):
 @pytest.mark.parametrize("fails", [False, True], ids=["privatized", "failed"])
 def test_no_helper_work_of_a_step_outlives_it(monkeypatch, cores, fails):
     """A layer called twice drops the Gram of its first call (the backward's first), which a helper has started: the
-    step waits for it, on success and on failure. A helper inside full float32 keeps the process's float32 settings as
+    call that handed it over waits for it, on success and on failure. A helper inside full float32 keeps the process's float32 settings as
     the step found them, and the review's next step, its user having chosen bf16 matmuls meanwhile, ran its norms in
     them."""
     import threading
@@ -1336,6 +1338,9 @@ def test_no_helper_work_of_a_step_outlives_it(monkeypatch, cores, fails):
             clipped.add(lambda m, x: m(x), torch.randn(4, 5, 16))
     else:
         clipped.add(lambda m, x: m(x), torch.randn(4, 5, 16))
+        # not even until privatize: the user may change the float32 settings before streaming the next microbatches
+        # (the second review's case)
+        assert clipped.handed[0].done() and engine._fp32_precision_users == 0
         clipped.privatize(expected_batch_size=4.0)
     assert len(clipped.handed) == 1 and clipped.handed[0].done() and not clipped.handed[0].cancelled()
     assert engine._fp32_precision_users == 0
