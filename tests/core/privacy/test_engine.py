@@ -1312,9 +1312,9 @@ class CalledTwice(nn.Module):
 @pytest.mark.parametrize("fails", [False, True], ids=["privatized", "failed"])
 def test_no_helper_work_of_a_step_outlives_it(monkeypatch, cores, fails):
     """A layer called twice drops the Gram of its first call (the backward's first), which a helper has started: the
-    call that handed it over waits for it, on success and on failure. A helper inside full float32 keeps the process's float32 settings as
-    the step found them, and the review's next step, its user having chosen bf16 matmuls meanwhile, ran its norms in
-    them."""
+    call that handed it over waits for it, on success and on failure. A helper inside full float32 keeps the
+    process's float32 settings as the step found them, and the review's next step, its user having chosen bf16
+    matmuls meanwhile, ran its norms in them."""
     import threading
     import time
 
