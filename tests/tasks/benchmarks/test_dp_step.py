@@ -30,6 +30,17 @@ def test_bench_dp_step_prints_the_figures_as_json(capsys):
     assert result["dp_ratio"] == result["dp_s"] / result["nonprivate_s"]
     assert result["dp_cpu_ratio"] == result["dp_cpu_s"] / result["nonprivate_cpu_s"] and result["dp_cpu_s"] > 0
     assert result["cores"] >= 1 and result["noise_ns_per_coordinate_one_thread"] > 0
+    assert (result["target_ratio"], result["meets_target"]) == (None, None)  # the tiny preset has no target
+
+
+def test_bench_dp_step_says_whether_a_paper_shaped_step_met_its_targets(capsys):
+    args = ["bench", "dp-step", "--json", "--preset", "vip-nano", "--img-size", "32", "--batch", "2", "--repeats",
+            "1", "--warmup", "0", "--no-opacus", "--no-secure"]
+    assert main(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert (result["target_ratio"], result["target_peak_mem_ratio"]) == (1.1, 1.05)
+    met = result["dp_ratio"] <= 1.1 and result["dp_peak_mem_ratio"] <= 1.05
+    assert result["meets_target"] is met
 
 
 def test_bench_dp_step_times_a_logical_step_of_several_microbatches_phase_by_phase(capsys):
@@ -61,6 +72,7 @@ def test_bench_at_a_narrow_width_times_the_presets_layers_with_little_compute(ca
     narrow = json.loads(capsys.readouterr().out)
     assert narrow["width"] == 16 and narrow["dp_ratio"] > 0 and narrow["max_abs_err_vs_naive"] < 1e-5
     assert narrow["dp_peak_mb"] < 20  # ViP-Base's 12 + 8 blocks at width 16, not its 99 M parameters
+    assert narrow["target_ratio"] is None  # not ViP-Base's shapes
 
 
 def test_bench_refuses_microbatches_with_the_opacus_modes(capsys):
