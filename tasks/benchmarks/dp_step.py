@@ -14,7 +14,8 @@ non-private step accumulates K backward passes; the private step sums K microbat
 with the noise and the optimiser step once per logical step, as in a real run. Each time is the median
 over the rounds, of
 wall-clock time (``*_ratio``) and of this process's CPU time (``*_cpu_ratio``, steadier when other
-processes compete for the cores). ``--precision bf16`` runs every mode's forward under bfloat16 autocast
+processes compete for the cores); ``*_ratio_per_round``, ``*_ratio_min`` and ``*_ratio_max`` give the time
+ratio's spread: each round's step over the non-private step of the same round. ``--precision bf16`` runs every mode's forward under bfloat16 autocast
 (the engine keeps per-sample norms and clipped sums in float32).
 
 Opacus needs the MAE's cls and mask tokens out of the root module (otherwise every opacus mode falls back
@@ -121,7 +122,9 @@ def _bench(preset: str, img_size: int, batch: int, repeats: int, warmup: int, op
     torch.manual_seed(seed)
     images = torch.randn(microbatches * batch, 3, img_size, img_size)  # images: [K*B, 3, S, S]
     steps = _step_functions(config, images.to(device), batch, opacus, precision, secure, tensor_cores)
-    seconds, cpu_seconds = _interleaved_medians(steps, repeats, warmup)
+    rounds, cpu_rounds = _interleaved_rounds(steps, repeats, warmup)
+    seconds = {name: statistics.median(values) for name, values in rounds.items()}
+    cpu_seconds = {name: statistics.median(values) for name, values in cpu_rounds.items()}
     peaks = {name: _peak_bytes(step, state) for name, (step, state) in steps.items()}
     phases = {name: _kernel_seconds(steps[name][0]) if device.type == "cuda" else _phase_medians(steps[name][0], names)
               for name, names in PHASES.items()}
@@ -132,6 +135,7 @@ def _bench(preset: str, img_size: int, batch: int, repeats: int, warmup: int, op
         "nonprivate_s": seconds["nonprivate"], "dp_s": seconds["dp"],
         "nonprivate_cpu_s": cpu_seconds["nonprivate"], "dp_cpu_s": cpu_seconds["dp"],
         "dp_ratio": seconds["dp"] / seconds["nonprivate"],
+        **_round_spread("dp_ratio", rounds["dp"], rounds["nonprivate"]),
         "dp_cpu_ratio": cpu_seconds["dp"] / cpu_seconds["nonprivate"],
         "nonprivate_peak_mb": peaks["nonprivate"] / 2**20, "dp_peak_mb": peaks["dp"] / 2**20,
         "dp_peak_mem_ratio": peaks["dp"] / peaks["nonprivate"],
@@ -140,6 +144,7 @@ def _bench(preset: str, img_size: int, batch: int, repeats: int, warmup: int, op
         if mode in seconds:
             result[f"{mode}_s"] = seconds[mode]
             result[f"{mode}_ratio"] = seconds[mode] / seconds["nonprivate"]
+            result.update(_round_spread(f"{mode}_ratio", rounds[mode], rounds["nonprivate"]))
             result[f"{mode}_cpu_ratio"] = cpu_seconds[mode] / cpu_seconds["nonprivate"]
             if mode != "dp_secure":
                 result[f"{mode}_peak_mem_ratio"] = peaks[mode] / peaks["nonprivate"]
@@ -374,10 +379,10 @@ def opacus_mae(mae: Any) -> Any:
 # ------------------------------------------------------------------------------------------------ measuring
 
 
-def _interleaved_medians(
+def _interleaved_rounds(
     steps: dict[str, tuple[Callable[[], None], list]], repeats: int, warmup: int
-) -> tuple[dict[str, float], dict[str, float]]:
-    """Runs the modes in turn (A, B, C, A, B, C, ...); each one's median wall and CPU seconds per step."""
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Runs the modes in turn (A, B, C, A, B, C, ...); each one's wall and CPU seconds per step, round by round."""
     wall: dict[str, list[float]] = {name: [] for name in steps}
     cpu: dict[str, list[float]] = {name: [] for name in steps}
     for round_index in range(warmup + repeats):
@@ -387,10 +392,14 @@ def _interleaved_medians(
             if round_index >= warmup:
                 wall[name].append(time.perf_counter() - start)
                 cpu[name].append(time.process_time() - start_cpu)
-    return (
-        {name: statistics.median(values) for name, values in wall.items()},
-        {name: statistics.median(values) for name, values in cpu.items()},
-    )
+    return wall, cpu
+
+
+def _round_spread(key: str, mode_seconds: list[float], baseline_seconds: list[float]) -> dict[str, Any]:
+    """The spread of a ratio: each round's mode step over the non-private step of the same round (run just before it),
+    and their least and greatest."""
+    per_round = [round(mode / baseline, 4) for mode, baseline in zip(mode_seconds, baseline_seconds)]
+    return {f"{key}_per_round": per_round, f"{key}_min": min(per_round), f"{key}_max": max(per_round)}
 
 
 PROFILED_ROUNDS = 3

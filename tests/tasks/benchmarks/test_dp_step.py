@@ -28,6 +28,10 @@ def test_bench_dp_step_prints_the_figures_as_json(capsys):
         assert isinstance(result[key], float) and result[key] >= 0, key
     assert result["max_abs_err_vs_naive"] < 1e-5
     assert result["dp_ratio"] == result["dp_s"] / result["nonprivate_s"]
+    for mode in ("dp", "dp_secure", "opacus_ghost", "opacus_hooks"):  # one round: its ratio is the spread
+        only = round(result[f"{mode}_ratio"], 4)
+        assert result[f"{mode}_ratio_per_round"] == [only] == [result[f"{mode}_ratio_min"]], mode
+        assert result[f"{mode}_ratio_max"] == only, mode
     assert result["dp_cpu_ratio"] == result["dp_cpu_s"] / result["nonprivate_cpu_s"] and result["dp_cpu_s"] > 0
     assert result["cores"] >= 1 and result["noise_ns_per_coordinate_one_thread"] > 0
     assert (result["target_ratio"], result["meets_target"]) == (None, None)  # the tiny preset has no target
@@ -44,11 +48,14 @@ def test_bench_dp_step_says_whether_a_paper_shaped_step_met_its_targets(capsys):
 
 
 def test_bench_dp_step_times_a_logical_step_of_several_microbatches_phase_by_phase(capsys):
-    code = main(["bench", "dp-step", "--json", "--batch", "4", "--microbatches", "3", "--repeats", "1", "--warmup",
+    code = main(["bench", "dp-step", "--json", "--batch", "4", "--microbatches", "3", "--repeats", "2", "--warmup",
                  "0", "--no-opacus"])
     assert code == 0
     result = json.loads(capsys.readouterr().out)
     assert result["microbatches"] == 3 and result["batch"] == 4
+    assert len(result["dp_ratio_per_round"]) == 2  # the spread of the time ratio, one figure per timed round
+    assert result["dp_ratio_min"] == min(result["dp_ratio_per_round"]) > 0
+    assert result["dp_ratio_max"] == max(result["dp_ratio_per_round"])
     assert set(result["phases_s"]["nonprivate"]) == {"forward", "backward", "optimizer"}
     assert set(result["phases_s"]["dp"]) == {"forward", "backward", "norms", "clipped_sum", "noise_wait", "optimizer"}
     waited = result["phases_s"]["dp"].pop("noise_wait")  # 0 when the noise was drawn before it was needed
