@@ -916,9 +916,15 @@ def _losses(
 
 
 def _with_stand_ins(model: nn.Module, loss_fn: LossFn, inputs: Inputs, stand_ins: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The losses with each plain parameter replaced by its stand-in; a broadcast that fails is refused by name."""
+    """The losses with each plain parameter replaced by its stand-in; a broadcast that fails is refused by name.
+
+    Only the parameter's own entry is swapped (``tie_weights=False``: looking for other names of the same tensor walks
+    every parameter and buffer of the model, each microbatch). :func:`plan_model` refuses a parameter registered twice,
+    and one also reachable otherwise (a buffer holding the same tensor) reaches the loss outside its stand-in, which
+    :func:`_check_parameter_uses` refuses by name."""
+    stand_ins = {f"model.{k}": v for k, v in stand_ins.items()}
     try:
-        return functional_call(_LossCall(model, loss_fn), {f"model.{k}": v for k, v in stand_ins.items()}, (inputs,))
+        return functional_call(_LossCall(model, loss_fn), stand_ins, (inputs,), tie_weights=False)
     except RuntimeError as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise UnsupportedLayerError(

@@ -741,6 +741,26 @@ def test_unsupported_layers_raise_an_error_naming_them(model, inputs, named):
                              noise=RandomStream(1, 0, "noise"))
 
 
+class TokenAlsoABuffer(nn.Module):
+    """A plain ``[1, 1, D]`` parameter that a submodule also holds as a buffer and uses: that use bypasses the
+    parameter's per-sample stand-in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.token = nn.Parameter(torch.randn(1, 1, 4))
+        self.proj = nn.Linear(4, 4)
+        self.proj.register_buffer("alias", self.token)
+
+    def forward(self, x):  # x: [B, T, 4]
+        return (self.proj(x + self.token) * self.proj.alias).sum((1, 2))  # [B]
+
+
+def test_a_plain_parameter_also_held_as_a_buffer_is_refused_by_name():
+    with pytest.raises(UnsupportedLayerError, match="a parameter of 'token' reaches the loss 1 time"):
+        privatized_gradients(TokenAlsoABuffer(), lambda m, x: m(x), torch.randn(3, 2, 4), max_grad_norm=1.0,
+                             noise_multiplier=1.0, expected_batch_size=3, noise=RandomStream(1, 0, "noise"))
+
+
 class ScalesItsGradientInPlace(torch.autograd.Function):
     """Identity whose backward edits the gradient it receives in place (which PyTorch forbids)."""
 
