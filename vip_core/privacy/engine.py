@@ -651,6 +651,8 @@ class _Tape:
         self.norm_helpers = norm_helpers
         self.anchor = torch.zeros((), requires_grad=True)
         self.rules: list[tuple[nn.Module, Rule]] = [(m, factory(n, m)) for n, m, factory in plan.layers]
+        for module, rule in self.rules:
+            _check_rule_covers_its_own(module, rule)
         decide_conditioning([rule for _, rule in self.rules])
         self.handles: list[Any] = []
 
@@ -680,6 +682,20 @@ class _Tape:
             return captured
 
         return hook
+
+
+def _check_rule_covers_its_own(module: nn.Module, rule: Rule) -> None:
+    """Refuses a supported layer whose rule does not cover exactly the layer's own trainable parameters: a weight that
+    is a buffer or attribute holding another parameter's tensor would be clipped twice, once by each of its two rules,
+    each part within C but their sum not (up to √2·C when the parts align), and a parameter the rule does not read would
+    get noise alone."""
+    own = list(_own_trainable_parameters(module).values())
+    if len(rule.params) != len(own) or any(all(param is not mine for mine in own) for param in rule.params):
+        raise UnsupportedLayerError(
+            f"layer '{rule.name}' ({type(module).__name__}) computes with parameters other than its own registered "
+            "ones (e.g. a weight that is a buffer or attribute holding another parameter): it cannot be clipped per "
+            "sample"
+        )
 
 
 class _Call:
@@ -919,12 +935,13 @@ def _with_stand_ins(model: nn.Module, loss_fn: LossFn, inputs: Inputs, stand_ins
     """The losses with each plain parameter replaced by its stand-in; a broadcast that fails is refused by name.
 
     Only the parameter's own entry is swapped (``tie_weights=False``: looking for other names of the same tensor walks
-    every parameter and buffer of the model, each microbatch). :func:`plan_model` refuses a parameter registered twice,
-    and one also reachable otherwise (a buffer holding the same tensor) reaches the loss outside its stand-in, which
+    every parameter and buffer of the model, each microbatch). :func:`plan_model` refuses a parameter registered twice
+    and a supported layer computing with another's parameter (a weight that is a buffer or attribute holding it);
+    one reaching the loss otherwise (a buffer holding the same tensor) does so outside its stand-in, which
     :func:`_check_parameter_uses` refuses by name."""
-    stand_ins = {f"model.{k}": v for k, v in stand_ins.items()}
+    swapped = {f"model.{k}": v for k, v in stand_ins.items()}
     try:
-        return functional_call(_LossCall(model, loss_fn), stand_ins, (inputs,), tie_weights=False)
+        return functional_call(_LossCall(model, loss_fn), swapped, (inputs,), tie_weights=False)
     except RuntimeError as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise UnsupportedLayerError(
@@ -952,6 +969,7 @@ def _check_parameter_uses(losses: torch.Tensor, plan: ModelPlan, tape: _Tape) ->
     names.update({param: name for name, param in plan.plain})
     uses, calls_reached = _parameter_uses(losses.grad_fn, set(names))
     expected = {param: calls_reached[module] for module, rule in tape.rules for param in rule.params}
+    expected.update({param: 0 for _, param in plan.plain})  # a plain parameter reaches the loss through its stand-in alone
     for param, name in names.items():
         calls = expected.get(param, 0)
         if uses[param] != calls:

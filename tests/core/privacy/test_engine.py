@@ -12,7 +12,7 @@ from timm.models.vision_transformer import VisionTransformer
 
 from vip_core.config import get_preset
 from vip_core.models.mae import build_mae
-from vip_core.privacy import per_sample
+from vip_core.privacy import engine, per_sample
 from vip_core.privacy.engine import ClippedGradientSum, UnsupportedLayerError, privatized_gradients
 from vip_core.privacy.randomness import GaussianDraw, RandomStream, private_entropy
 
@@ -759,6 +759,69 @@ def test_a_plain_parameter_also_held_as_a_buffer_is_refused_by_name():
     with pytest.raises(UnsupportedLayerError, match="a parameter of 'token' reaches the loss 1 time"):
         privatized_gradients(TokenAlsoABuffer(), lambda m, x: m(x), torch.randn(3, 2, 4), max_grad_norm=1.0,
                              noise_multiplier=1.0, expected_batch_size=3, noise=RandomStream(1, 0, "noise"))
+
+
+class TokenAlsoALayersWeight(nn.Module):
+    """A plain ``[1, ...]`` parameter that a supported layer also computes with as its weight, held as a buffer or as
+    a plain attribute: the layer's rule and the token's stand-in would each clip a part of its gradient."""
+
+    def __init__(self, layer: str, held_as: str) -> None:
+        super().__init__()
+        shapes = {"linear": (1, 4), "conv": (1, 2, 2, 2), "layernorm": (1, 4)}
+        self.token = nn.Parameter(3 * torch.randn(shapes[layer]))
+        self.head = {"linear": lambda: nn.Linear(4, 1), "conv": lambda: nn.Conv2d(2, 1, 2),
+                     "layernorm": lambda: nn.LayerNorm((1, 4))}[layer]()
+        del self.head.weight
+        if held_as == "buffer":
+            self.head.register_buffer("weight", self.token)
+        else:
+            self.head.__dict__["weight"] = self.token
+
+    def forward(self, x):  # x: [B, 4]
+        if isinstance(self.head, nn.Conv2d):
+            return self.head(x.view(-1, 1, 2, 2).expand(-1, 2, 2, 2) + self.token).flatten(1).sum(1)  # [B]
+        shifted = x + self.token  # [B, 4]
+        if isinstance(self.head, nn.LayerNorm):
+            shifted = shifted.view(-1, 1, 4)  # [B, 1, 4]
+        return self.head(shifted).flatten(1).sum(1)  # [B]
+
+
+LAYER_WEIGHT_ALIASES = [(layer, held_as) for layer in ("linear", "conv", "layernorm") for held_as in ("buffer", "attr")]
+
+
+@pytest.mark.parametrize(("layer", "held_as"), LAYER_WEIGHT_ALIASES)
+def test_a_layer_computing_with_a_plain_parameter_as_its_weight_is_refused_by_name(layer, held_as):
+    """Clipped once by the layer's rule and once through the stand-in, the two parts each within C, a sample could
+    move the sum by up to √2·C."""
+    with pytest.raises(UnsupportedLayerError, match="layer 'head' .* parameters other than its own"):
+        privatized_gradients(TokenAlsoALayersWeight(layer, held_as), lambda m, x: m(x), torch.randn(4, 4),
+                             max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=4)
+
+
+@pytest.mark.parametrize(("layer", "held_as"), LAYER_WEIGHT_ALIASES)
+def test_the_graph_check_alone_also_refuses_a_plain_parameter_used_as_a_layers_weight(layer, held_as, monkeypatch):
+    """Defence in depth: without the planning check, the autograd graph's count still finds the plain parameter
+    reaching the loss outside its stand-in."""
+    monkeypatch.setattr(engine, "_check_rule_covers_its_own", lambda *args: None)
+    with pytest.raises(UnsupportedLayerError, match="a parameter of 'token' reaches the loss 1 time"):
+        privatized_gradients(TokenAlsoALayersWeight(layer, held_as), lambda m, x: m(x), torch.randn(4, 4),
+                             max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=4)
+
+
+class ExtraParameterLinear(nn.Linear):
+    """A Linear whose forward is the stock one but which registers a parameter its rule does not read."""
+
+    def __init__(self) -> None:
+        super().__init__(4, 1)
+        self.unused_scale = nn.Parameter(torch.ones(1))
+
+
+def test_a_supported_layer_with_a_parameter_its_rule_does_not_read_is_refused_by_name():
+    """Its rule would leave that parameter out of the clipped sum, and the optimiser would get noise alone for it."""
+    model = nn.Sequential(ExtraParameterLinear())
+    with pytest.raises(UnsupportedLayerError, match="layer '0' .* parameters other than its own"):
+        privatized_gradients(model, lambda m, x: m(x).sum(1), torch.randn(4, 4),
+                             max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=4)
 
 
 class ScalesItsGradientInPlace(torch.autograd.Function):
