@@ -651,8 +651,7 @@ class _Tape:
         self.norm_helpers = norm_helpers
         self.anchor = torch.zeros((), requires_grad=True)
         self.rules: list[tuple[nn.Module, Rule]] = [(m, factory(n, m)) for n, m, factory in plan.layers]
-        for module, rule in self.rules:
-            _check_rule_covers_its_own(module, rule)
+        _check_rule_coverage(self.rules, plan.plain)
         decide_conditioning([rule for _, rule in self.rules])
         self.handles: list[Any] = []
 
@@ -684,18 +683,28 @@ class _Tape:
         return hook
 
 
-def _check_rule_covers_its_own(module: nn.Module, rule: Rule) -> None:
-    """Refuses a supported layer whose rule does not cover exactly the layer's own trainable parameters: a weight that
-    is a buffer or attribute holding another parameter's tensor would be clipped twice, once by each of its two rules,
-    each part within C but their sum not (up to √2·C when the parts align), and a parameter the rule does not read would
-    get noise alone."""
-    own = list(_own_trainable_parameters(module).values())
-    if len(rule.params) != len(own) or any(all(param is not mine for mine in own) for param in rule.params):
-        raise UnsupportedLayerError(
-            f"layer '{rule.name}' ({type(module).__name__}) computes with parameters other than its own registered "
-            "ones (e.g. a weight that is a buffer or attribute holding another parameter): it cannot be clipped per "
-            "sample"
-        )
+def _check_rule_coverage(rules: list[tuple[nn.Module, Rule]], plain: list[tuple[str, nn.Parameter]]) -> None:
+    """Refuses, each microbatch, a supported layer whose rule does not cover exactly the layer's own registered
+    trainable parameters, and a parameter covered twice (by two rules, or by a rule and as a plain parameter; a model
+    may re-register a weight in its forward after :func:`plan_model` checked it): a parameter clipped by two rules
+    gets two parts each within C whose sum is not (up to √2·C when they align), and a parameter the rule does not read
+    would get noise alone."""
+    covered_by: dict[int, str] = {id(param): f"plain parameter '{name}'" for name, param in plain}
+    for module, rule in rules:
+        own = list(_own_trainable_parameters(module).values())
+        if len(rule.params) != len(own) or any(all(param is not mine for mine in own) for param in rule.params):
+            raise UnsupportedLayerError(
+                f"layer '{rule.name}' ({type(module).__name__}) computes with parameters other than its own registered "
+                "ones (e.g. a weight that is a buffer or attribute holding another parameter): it cannot be clipped "
+                "per sample"
+            )
+        for param in rule.params:
+            first = covered_by.setdefault(id(param), f"layer '{rule.name}'")
+            if first != f"layer '{rule.name}'":
+                raise UnsupportedLayerError(
+                    f"layer '{rule.name}' and {first} cover the same parameter this microbatch (a weight shared or "
+                    "re-registered after the model was planned): it would be clipped twice"
+                )
 
 
 class _Call:

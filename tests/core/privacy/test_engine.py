@@ -802,10 +802,36 @@ def test_a_layer_computing_with_a_plain_parameter_as_its_weight_is_refused_by_na
 def test_the_graph_check_alone_also_refuses_a_plain_parameter_used_as_a_layers_weight(layer, held_as, monkeypatch):
     """Defence in depth: without the planning check, the autograd graph's count still finds the plain parameter
     reaching the loss outside its stand-in."""
-    monkeypatch.setattr(engine, "_check_rule_covers_its_own", lambda *args: None)
+    monkeypatch.setattr(engine, "_check_rule_coverage", lambda *args: None)
     with pytest.raises(UnsupportedLayerError, match="a parameter of 'token' reaches the loss 1 time"):
         privatized_gradients(TokenAlsoALayersWeight(layer, held_as), lambda m, x: m(x), torch.randn(4, 4),
                              max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=4)
+
+
+class TiesInItsForward(nn.Module):
+    """Ties ``b``'s weight to ``a``'s in its first forward, after the engine planned the model, and hides one of the
+    two uses from the autograd graph's count by turning ``requires_grad`` off around it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):  # x: [B, T, 4]
+        if self.b.weight is not self.a.weight:
+            self.b.weight = self.a.weight
+        hidden = self.a(x)
+        first = self.b(hidden)
+        self.a.weight.requires_grad_(False)
+        second = self.b(hidden)
+        self.a.weight.requires_grad_(True)
+        return (first + 0 * second).square().sum((1, 2))  # [B]
+
+
+def test_a_weight_tied_in_the_forward_after_planning_is_refused_by_name():
+    """Covered by two rules, ``a.weight`` would get two clipped parts, each within C but not their sum."""
+    with pytest.raises(UnsupportedLayerError, match="layer 'b' and layer 'a' cover the same parameter"):
+        privatized_gradients(TiesInItsForward(), lambda m, x: m(x), torch.randn(4, 3, 4), max_grad_norm=1.0,
+                             noise_multiplier=0.0, expected_batch_size=4)
 
 
 class ExtraParameterLinear(nn.Linear):
@@ -1383,13 +1409,31 @@ def test_the_idle_cores_helpers_are_kept_from_step_to_step_one_pool_per_count(co
     assert third.submit(lambda: 1).result() == 1  # a step holding the other count's helpers goes on
 
 
+class _WaitsInBackward(torch.autograd.Function):
+    """Identity whose backward calls ``wait`` first."""
+
+    @staticmethod
+    def forward(ctx, x, wait):
+        ctx.wait = wait
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.wait()
+        return grad, None
+
+
 class CalledTwice(nn.Module):
-    def __init__(self) -> None:
+    """One Linear called twice; between the two calls the backward calls ``wait`` (the test's: until a helper has begun
+    the Gram of the call the backward reached first, so that it is running when the second call drops it)."""
+
+    def __init__(self, wait) -> None:
         super().__init__()
         self.layer = nn.Linear(16, 16)
+        self.wait = wait
 
     def forward(self, x):  # x: [B, T, 16]
-        return self.layer(torch.tanh(self.layer(x))).sum((1, 2))  # [B]
+        return self.layer(torch.tanh(_WaitsInBackward.apply(self.layer(x), self.wait))).sum((1, 2))  # [B]
 
 
 @pytest.mark.parametrize("fails", [False, True], ids=["privatized", "failed"])
@@ -1406,15 +1450,17 @@ def test_no_helper_work_of_a_step_outlives_it(monkeypatch, cores, fails):
     cores(3, 1)
     monkeypatch.setattr(per_sample, "materialise_is_cheaper", lambda *args: False)
     ghost_parts = per_sample.ghost_parts
+    started = threading.Event()
 
     def slow_on_helpers(acts, grads):
         if threading.current_thread() is not threading.main_thread():
+            started.set()
             time.sleep(0.3)
         return ghost_parts(acts, grads)
 
     monkeypatch.setattr(per_sample, "ghost_parts", slow_on_helpers)
-    clipped = ClippedGradientSum(CalledTwice(), max_grad_norm=1.0, noise_multiplier=1.0,
-                                 noise=RandomStream(1, 0, "noise"))
+    clipped = ClippedGradientSum(CalledTwice(lambda: clipped.handed and started.wait(5)), max_grad_norm=1.0,
+                                 noise_multiplier=1.0, noise=RandomStream(1, 0, "noise"))
     if fails:
         monkeypatch.setattr(engine, "clip_factors", lambda *args: (_ for _ in ()).throw(RuntimeError("failed")))
         with pytest.raises(RuntimeError, match="failed"):
