@@ -873,13 +873,16 @@ def _verify_per_sample_layout(plan: ModelPlan, model: nn.Module, loss_fn: LossFn
 
     Checked on a model's microbatches of two or more samples until every layer and plain parameter was
     reached once: the gradients of the first and the last sample's loss must be exactly zero in every other
-    sample's rows. A microbatch whose checked loss is not finite proves nothing and is passed over.
+    sample's rows. The floating-point inputs are watched too, which catches samples mixed before the first layer
+    (``x - x.mean(0)``); integer inputs (indices, uint8 images) have no gradient to watch. A microbatch whose checked
+    loss is not finite proves nothing and is passed over.
     """
     verified = _VERIFIED_LAYOUT.setdefault(model, set())
     names = {name for name, _ in plan.plain} | {name for name, _, _ in plan.layers}
     if batch < 2 or names <= verified:
         return
     stand_ins = _stand_ins(plan, batch)
+    inputs, input_leaves = _watched_inputs(inputs)
     outputs: list[tuple[str, torch.Tensor]] = []
     handles = [module.register_forward_hook(_keep_output(name, outputs)) for name, module, _ in plan.layers]
     try:
@@ -887,7 +890,7 @@ def _verify_per_sample_layout(plan: ModelPlan, model: nn.Module, loss_fn: LossFn
     finally:
         for handle in handles:
             handle.remove()
-    watched = [*stand_ins.items(), *outputs]
+    watched = [*stand_ins.items(), *outputs, *input_leaves]
     reached = {name: 0 for name, _ in watched}
     for sample in sorted({0, batch - 1}):
         if not (losses[sample].requires_grad and bool(torch.isfinite(losses[sample]))):
@@ -900,9 +903,28 @@ def _verify_per_sample_layout(plan: ModelPlan, model: nn.Module, loss_fn: LossFn
             if bool(others.isnan().any()):
                 return
             if bool((others != 0).any()):
-                raise UnsupportedLayerError(_mixing_message(name, stand_ins, sample))
+                raise UnsupportedLayerError(_mixing_message(name, stand_ins, {n for n, _ in input_leaves}, sample))
             reached[name] += 1
     verified.update(name for name, count in reached.items() if count == len({0, batch - 1}))
+
+
+def _watched_inputs(inputs: Inputs) -> tuple[Inputs, list[tuple[str, torch.Tensor]]]:
+    """``inputs`` with each floating-point tensor replaced by a copy of a new leaf that requires grad (a copy, so that
+    the model may still write into it in place), and those leaves by name (``input``, ``input[k]``)."""
+    leaves: list[tuple[str, torch.Tensor]] = []
+
+    def watched(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if not tensor.is_floating_point():
+            return tensor
+        leaf = tensor.detach().requires_grad_()
+        leaves.append((name, leaf))
+        return leaf.clone()
+
+    if isinstance(inputs, torch.Tensor):
+        return watched("input", inputs), leaves
+    if isinstance(inputs, Mapping):
+        return {key: watched(f"input[{key!r}]", value) for key, value in inputs.items()}, leaves
+    return type(inputs)(watched(f"input[{index}]", value) for index, value in enumerate(inputs)), leaves
 
 
 def _keep_output(name: str, outputs: list[tuple[str, torch.Tensor]]) -> Callable:
@@ -913,7 +935,11 @@ def _keep_output(name: str, outputs: list[tuple[str, torch.Tensor]]) -> Callable
     return hook
 
 
-def _mixing_message(name: str, stand_ins: dict[str, torch.Tensor], sample: int) -> str:
+def _mixing_message(name: str, stand_ins: dict[str, torch.Tensor], inputs: set[str], sample: int) -> str:
+    if name in inputs and name not in stand_ins:
+        return (f"sample {sample}'s loss depends on other samples' rows of {name}: the model or loss_fn mixes samples "
+                "(batch statistics such as x - x.mean(0), or a loss normalised over the batch), and per-sample "
+                "clipping needs each sample's loss to depend on its own inputs only")
     if name in stand_ins:
         shape = [1, *stand_ins[name].shape[1:]]
         return (f"plain parameter '{name}' {shape} is not broadcast against the batch alone: sample {sample}'s loss "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -941,6 +942,39 @@ def test_a_layer_run_sequence_first_is_refused_even_when_the_shapes_fit():
 def test_a_layer_run_on_flattened_tokens_is_refused_in_microbatches_of_one():
     with pytest.raises(UnsupportedLayerError, match="layer 'fc' ran on an input of 3 rows .* microbatch of 1"):
         engine_grads(FlattenedTokens(), lambda m, x: m(x), torch.randn(2, 3, 4), 1.0, physical=1)
+
+
+class CentresOnTheBatch(nn.Module):
+    """Subtracts the batch mean from its input before the first layer: every sample's loss depends on every other
+    sample's data, which the layers' rows alone do not show."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):  # x: [B, T, 4]
+        return self.fc(x - x.mean(0)).square().mean((1, 2))  # [B]
+
+
+@pytest.mark.parametrize(("inputs", "loss_fn", "named"), [
+    (torch.randn(4, 3, 4), lambda m, x: m(x), "input"),
+    ((torch.arange(4), torch.randn(4, 3, 4)), lambda m, xs: m(xs[1]), "input[1]"),
+    ({"x": torch.randn(4, 3, 4)}, lambda m, xs: m(xs["x"]), "input['x']"),
+], ids=["tensor", "tuple", "dict"])
+def test_samples_mixed_before_the_first_layer_are_refused_naming_the_input(inputs, loss_fn, named):
+    """Removing one sample would move every other sample's clipped gradient: per-sample clipping bounds nothing."""
+    with pytest.raises(UnsupportedLayerError, match=re.escape(f"rows of {named}: the model or loss_fn mixes samples")):
+        privatized_gradients(CentresOnTheBatch(), loss_fn, inputs, max_grad_norm=1.0, noise_multiplier=0.0,
+                             expected_batch_size=4)
+
+
+def test_a_floating_point_input_each_sample_uses_alone_passes_the_check():
+    """A float input with its own row per sample (a per-sample scale) and an integer one are not a mixing."""
+    model = nn.Linear(4, 4)
+    inputs = (torch.randn(4, 3, 4), torch.rand(4), torch.arange(4))
+    privatized_gradients(model, lambda m, xs: m(xs[0]).square().mean((1, 2)) * xs[1] + xs[2], inputs,
+                         max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=4)
+    assert model.weight.grad is not None and bool(model.weight.grad.abs().sum() > 0)
 
 
 class GatedOffset(nn.Module):
