@@ -873,16 +873,51 @@ def _verify_per_sample_layout(plan: ModelPlan, model: nn.Module, loss_fn: LossFn
 
     Checked on a model's microbatches of two or more samples until every layer and plain parameter was
     reached once: the gradients of the first and the last sample's loss must be exactly zero in every other
-    sample's rows. The floating-point inputs are watched too, which catches samples mixed before the first layer
-    (``x - x.mean(0)``); integer inputs (indices, uint8 images) have no gradient to watch. A microbatch whose checked
-    loss is not finite proves nothing and is passed over.
+    sample's rows. A microbatch whose checked loss is not finite, or whose gradient in another sample's rows of a
+    layer or stand-in is NaN, proves nothing and is passed over. While the layers are checked, the floating-point
+    inputs are watched too (their NaN entries passed over), which catches samples mixed before the first layer by
+    differentiable operations (``x - x.mean(0)``); a model or loss that cannot run on inputs that require grad
+    (``.numpy()``, ``out=``) is checked without them. Integer inputs (indices, uint8 images) have no gradient to watch,
+    and mixing through operations without a gradient (a detached batch mean) is not seen.
     """
     verified = _VERIFIED_LAYOUT.setdefault(model, set())
     names = {name for name, _ in plan.plain} | {name for name, _, _ in plan.layers}
     if batch < 2 or names <= verified:
         return
+    try:
+        checked = _layout_gradients(plan, model, loss_fn, inputs, batch, watch_inputs=True)
+    except (RuntimeError, NotImplementedError, UnsupportedLayerError):  # cannot run with inputs that require grad
+        checked = _layout_gradients(plan, model, loss_fn, inputs, batch, watch_inputs=False)
+    if checked is None:
+        return
+    stand_ins, watched, input_leaves, per_sample = checked
+    reached = {name: 0 for name, _ in watched}
+    for sample, grads in per_sample:
+        for (name, _), grad in zip(watched, grads):
+            if grad is None:
+                continue
+            others = torch.cat([grad[:sample], grad[sample + 1:]])
+            if bool(others.isnan().any()):
+                return
+            if bool((others != 0).any()):
+                raise UnsupportedLayerError(_mixing_message(name, stand_ins, sample))
+            reached[name] += 1
+        for (name, _), grad in zip(input_leaves, grads[len(watched):]):
+            others = None if grad is None else torch.cat([grad[:sample], grad[sample + 1:]])
+            if others is not None and bool(((others != 0) & ~others.isnan()).any()):
+                raise UnsupportedLayerError(_input_mixing_message(name, sample))
+    verified.update(name for name, count in reached.items() if count == len(per_sample))
+
+
+def _layout_gradients(
+    plan: ModelPlan, model: nn.Module, loss_fn: LossFn, inputs: Inputs, batch: int, *, watch_inputs: bool
+) -> tuple[dict[str, torch.Tensor], list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]],
+           list[tuple[int, tuple[torch.Tensor | None, ...]]]] | None:
+    """One forward of the microbatch with the stand-ins, the layers' outputs kept and (with ``watch_inputs``) the
+    floating-point inputs watched; the gradients of the first and the last sample's loss in all of them (the
+    layers' and stand-ins' first, then the inputs'), or None when a checked loss is not finite."""
     stand_ins = _stand_ins(plan, batch)
-    inputs, input_leaves = _watched_inputs(inputs)
+    inputs, input_leaves = _watched_inputs(inputs) if watch_inputs else (inputs, [])
     outputs: list[tuple[str, torch.Tensor]] = []
     handles = [module.register_forward_hook(_keep_output(name, outputs)) for name, module, _ in plan.layers]
     try:
@@ -890,22 +925,14 @@ def _verify_per_sample_layout(plan: ModelPlan, model: nn.Module, loss_fn: LossFn
     finally:
         for handle in handles:
             handle.remove()
-    watched = [*stand_ins.items(), *outputs, *input_leaves]
-    reached = {name: 0 for name, _ in watched}
+    watched = [*stand_ins.items(), *outputs]
+    tensors = [t for _, t in watched + input_leaves]
+    per_sample = []
     for sample in sorted({0, batch - 1}):
         if not (losses[sample].requires_grad and bool(torch.isfinite(losses[sample]))):
-            return
-        grads = torch.autograd.grad(losses[sample], [t for _, t in watched], retain_graph=True, allow_unused=True)
-        for (name, tensor), grad in zip(watched, grads):
-            if grad is None:
-                continue
-            others = torch.cat([grad[:sample], grad[sample + 1:]])
-            if bool(others.isnan().any()):
-                return
-            if bool((others != 0).any()):
-                raise UnsupportedLayerError(_mixing_message(name, stand_ins, {n for n, _ in input_leaves}, sample))
-            reached[name] += 1
-    verified.update(name for name, count in reached.items() if count == len({0, batch - 1}))
+            return None
+        per_sample.append((sample, torch.autograd.grad(losses[sample], tensors, retain_graph=True, allow_unused=True)))
+    return stand_ins, watched, input_leaves, per_sample
 
 
 def _watched_inputs(inputs: Inputs) -> tuple[Inputs, list[tuple[str, torch.Tensor]]]:
@@ -935,11 +962,13 @@ def _keep_output(name: str, outputs: list[tuple[str, torch.Tensor]]) -> Callable
     return hook
 
 
-def _mixing_message(name: str, stand_ins: dict[str, torch.Tensor], inputs: set[str], sample: int) -> str:
-    if name in inputs and name not in stand_ins:
-        return (f"sample {sample}'s loss depends on other samples' rows of {name}: the model or loss_fn mixes samples "
-                "(batch statistics such as x - x.mean(0), or a loss normalised over the batch), and per-sample "
-                "clipping needs each sample's loss to depend on its own inputs only")
+def _input_mixing_message(name: str, sample: int) -> str:
+    return (f"sample {sample}'s loss depends on other samples' rows of {name}: the model or loss_fn mixes samples "
+            "(batch statistics such as x - x.mean(0), or a loss normalised over the batch), and per-sample clipping "
+            "needs each sample's loss to depend on its own inputs only")
+
+
+def _mixing_message(name: str, stand_ins: dict[str, torch.Tensor], sample: int) -> str:
     if name in stand_ins:
         shape = [1, *stand_ins[name].shape[1:]]
         return (f"plain parameter '{name}' {shape} is not broadcast against the batch alone: sample {sample}'s loss "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 
@@ -975,6 +976,46 @@ def test_a_floating_point_input_each_sample_uses_alone_passes_the_check():
     privatized_gradients(model, lambda m, xs: m(xs[0]).square().mean((1, 2)) * xs[1] + xs[2], inputs,
                          max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=4)
     assert model.weight.grad is not None and bool(model.weight.grad.abs().sum() > 0)
+
+
+class CausalOverTheBatch(nn.Module):
+    """Sample i sees the rows of samples 0..i after its first layer (a layout bug), its loss a KL divergence against
+    soft targets that hold zeros, whose gradient in the targets is NaN there (0 · log 0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.head = nn.Linear(6, 6), nn.Linear(6, 4)
+
+    def forward(self, x):  # x: [B, 6]
+        return self.head(self.fc(x).cumsum(0))  # [B, 4]
+
+
+def test_a_nan_input_gradient_does_not_pass_over_the_layers_check():
+    """The second review's model: a NaN in the targets' gradient once ended the check before the last sample's."""
+    targets = torch.softmax(torch.randn(5, 4), 1)
+    targets[:, 0] = 0.0  # targets: [5, 4], a zero in every row
+
+    def kl(m, xs):
+        return F.kl_div(F.log_softmax(m(xs[0]), 1), xs[1], reduction="none").sum(1)  # [B]
+
+    with pytest.raises(UnsupportedLayerError, match="layer 'fc': sample 4's loss reaches other rows"):
+        privatized_gradients(CausalOverTheBatch(), kl, (torch.randn(5, 6), targets), max_grad_norm=1.0,
+                             noise_multiplier=0.0, expected_batch_size=5)
+
+
+def test_a_loss_that_cannot_take_inputs_requiring_grad_is_checked_without_them():
+    """A loss that reads its input through numpy cannot run on a tensor that requires grad: the layers are still
+    checked, and the step gives the same gradients as without the input check."""
+    model = nn.Linear(4, 4)
+    inputs = torch.randn(4, 3, 4)
+    expected = copy.deepcopy(model)
+    privatized_gradients(expected, lambda m, x: m(x).square().mean((1, 2)), inputs, max_grad_norm=1.0,
+                         noise_multiplier=0.0, expected_batch_size=4)
+    privatized_gradients(model, lambda m, x: m(torch.from_numpy(x.numpy())).square().mean((1, 2)), inputs,
+                         max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=4)
+    assert torch.equal(model.weight.grad, expected.weight.grad)
+    with pytest.raises(UnsupportedLayerError, match="layer 'fc'.*batch on dim 0"):
+        engine_grads(SequenceFirst(), lambda m, x: m(torch.from_numpy(x.numpy())), torch.randn(4, 4, 4), 1.0)
 
 
 class GatedOffset(nn.Module):
