@@ -873,51 +873,28 @@ def _verify_per_sample_layout(plan: ModelPlan, model: nn.Module, loss_fn: LossFn
 
     Checked on a model's microbatches of two or more samples until every layer and plain parameter was
     reached once: the gradients of the first and the last sample's loss must be exactly zero in every other
-    sample's rows. A microbatch whose checked loss is not finite, or whose gradient in another sample's rows of a
-    layer or stand-in is NaN, proves nothing and is passed over. While the layers are checked, the floating-point
-    inputs are watched too (their NaN entries passed over), which catches samples mixed before the first layer by
-    differentiable operations (``x - x.mean(0)``); a model or loss that cannot run on inputs that require grad
-    (``.numpy()``, ``out=``) is checked without them. Integer inputs (indices, uint8 images) have no gradient to watch,
-    and mixing through operations without a gradient (a detached batch mean) is not seen.
+    sample's rows. A microbatch whose checked loss is not finite, or whose gradient in another sample's rows is
+    NaN, proves nothing and is passed over. While the layers are checked, the floating-point inputs are checked too,
+    in a forward of their own (:func:`_check_inputs_unmixed`).
     """
     verified = _VERIFIED_LAYOUT.setdefault(model, set())
     names = {name for name, _ in plan.plain} | {name for name, _, _ in plan.layers}
     if batch < 2 or names <= verified:
         return
-    try:
-        checked = _layout_gradients(plan, model, loss_fn, inputs, batch, watch_inputs=True)
-    except (RuntimeError, NotImplementedError, UnsupportedLayerError):  # cannot run with inputs that require grad
-        checked = _layout_gradients(plan, model, loss_fn, inputs, batch, watch_inputs=False)
-    if checked is None:
+    reached = _check_layers_unmixed(plan, model, loss_fn, inputs, batch)
+    if reached is None:
         return
-    stand_ins, watched, input_leaves, per_sample = checked
-    reached = {name: 0 for name, _ in watched}
-    for sample, grads in per_sample:
-        for (name, _), grad in zip(watched, grads):
-            if grad is None:
-                continue
-            others = torch.cat([grad[:sample], grad[sample + 1:]])
-            if bool(others.isnan().any()):
-                return
-            if bool((others != 0).any()):
-                raise UnsupportedLayerError(_mixing_message(name, stand_ins, sample))
-            reached[name] += 1
-        for (name, _), grad in zip(input_leaves, grads[len(watched):]):
-            others = None if grad is None else torch.cat([grad[:sample], grad[sample + 1:]])
-            if others is not None and bool(((others != 0) & ~others.isnan()).any()):
-                raise UnsupportedLayerError(_input_mixing_message(name, sample))
-    verified.update(name for name, count in reached.items() if count == len(per_sample))
+    if not _check_inputs_unmixed(plan, model, loss_fn, inputs, batch):  # after the layers' graph is freed
+        return
+    verified.update(name for name, count in reached.items() if count == len({0, batch - 1}))
 
 
-def _layout_gradients(
-    plan: ModelPlan, model: nn.Module, loss_fn: LossFn, inputs: Inputs, batch: int, *, watch_inputs: bool
-) -> tuple[dict[str, torch.Tensor], list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]],
-           list[tuple[int, tuple[torch.Tensor | None, ...]]]] | None:
-    """One forward of the microbatch with the stand-ins, the layers' outputs kept and (with ``watch_inputs``) the
-    floating-point inputs watched; the gradients of the first and the last sample's loss in all of them (the
-    layers' and stand-ins' first, then the inputs'), or None when a checked loss is not finite."""
+def _check_layers_unmixed(
+    plan: ModelPlan, model: nn.Module, loss_fn: LossFn, inputs: Inputs, batch: int
+) -> dict[str, int] | None:
+    """The layers' and stand-ins' part of :func:`_verify_per_sample_layout`: how many of the checked samples reached
+    each, or None when the microbatch proves nothing (a loss not finite, a NaN in another sample's rows)."""
     stand_ins = _stand_ins(plan, batch)
-    inputs, input_leaves = _watched_inputs(inputs) if watch_inputs else (inputs, [])
     outputs: list[tuple[str, torch.Tensor]] = []
     handles = [module.register_forward_hook(_keep_output(name, outputs)) for name, module, _ in plan.layers]
     try:
@@ -926,13 +903,52 @@ def _layout_gradients(
         for handle in handles:
             handle.remove()
     watched = [*stand_ins.items(), *outputs]
-    tensors = [t for _, t in watched + input_leaves]
-    per_sample = []
+    reached = {name: 0 for name, _ in watched}
     for sample in sorted({0, batch - 1}):
         if not (losses[sample].requires_grad and bool(torch.isfinite(losses[sample]))):
             return None
-        per_sample.append((sample, torch.autograd.grad(losses[sample], tensors, retain_graph=True, allow_unused=True)))
-    return stand_ins, watched, input_leaves, per_sample
+        grads = torch.autograd.grad(losses[sample], [t for _, t in watched], retain_graph=True, allow_unused=True)
+        for (name, tensor), grad in zip(watched, grads):
+            if grad is None:
+                continue
+            others = torch.cat([grad[:sample], grad[sample + 1:]])
+            if bool(others.isnan().any()):
+                return None
+            if bool((others != 0).any()):
+                raise UnsupportedLayerError(_mixing_message(name, stand_ins, sample))
+            reached[name] += 1
+    return reached
+
+
+def _check_inputs_unmixed(plan: ModelPlan, model: nn.Module, loss_fn: LossFn, inputs: Inputs, batch: int) -> bool:
+    """Refuses a model or loss in which the first or the last sample's loss depends on another sample's rows of a
+    floating-point input: samples mixed before the first layer by differentiable operations (``x - x.mean(0)``),
+    which the layers' rows do not show. A forward of its own, apart from the layers' check (a model might branch on
+    its inputs' ``requires_grad``); NaN entries of the gradients (0 · log 0) are passed over, and a model or loss
+    that cannot run on inputs that require grad (``.numpy()``, ``out=``) is not checked here. Integer inputs
+    (indices, uint8 images) have no gradient to watch, and mixing through operations without a gradient (a
+    detached batch mean) is not seen. False when this microbatch proves nothing (a checked loss not finite), so
+    the next one is checked again."""
+    watched_inputs, leaves = _watched_inputs(inputs)
+    if not leaves:
+        return True
+    per_sample = []
+    try:
+        losses = _losses(model, loss_fn, watched_inputs, _stand_ins(plan, batch), batch)
+        for sample in sorted({0, batch - 1}):
+            if not (losses[sample].requires_grad and bool(torch.isfinite(losses[sample]))):
+                return False
+            grads = torch.autograd.grad(losses[sample], [leaf for _, leaf in leaves], retain_graph=True,
+                                        allow_unused=True)
+            per_sample.append((sample, grads))
+    except (RuntimeError, NotImplementedError, UnsupportedLayerError):  # cannot run on inputs that require grad
+        return True
+    for sample, grads in per_sample:
+        for (name, _), grad in zip(leaves, grads):
+            others = None if grad is None else torch.cat([grad[:sample], grad[sample + 1:]])
+            if others is not None and bool(((others != 0) & ~others.isnan()).any()):
+                raise UnsupportedLayerError(_input_mixing_message(name, sample))
+    return True
 
 
 def _watched_inputs(inputs: Inputs) -> tuple[Inputs, list[tuple[str, torch.Tensor]]]:

@@ -643,16 +643,16 @@ def test_noise_started_from_several_threads_at_once_is_allocated_and_handed_over
 
 def test_a_sum_that_failed_part_way_refuses_a_retry_that_would_count_samples_twice():
     model = nn.Linear(3, 1)
-    calls = []
+    inputs = torch.randn(4, 3)
+    failed = []
 
     def fails_once_on_the_second_microbatch(m, x):
-        calls.append(len(x))
-        if len(calls) == 2:
+        if not failed and torch.equal(x, inputs[2:]):
+            failed.append(True)
             raise RuntimeError("out of memory")
         return m(x).sum(-1)
 
     clipped = ClippedGradientSum(model, max_grad_norm=1.0, noise_multiplier=1.0, noise=RandomStream(1, 0, "noise"))
-    inputs = torch.randn(4, 3)
     with pytest.raises(RuntimeError, match="out of memory"):
         clipped.add(fails_once_on_the_second_microbatch, inputs, physical_batch_size=2)
     with pytest.raises(RuntimeError, match="failed part-way"):
@@ -1001,6 +1001,50 @@ def test_a_nan_input_gradient_does_not_pass_over_the_layers_check():
     with pytest.raises(UnsupportedLayerError, match="layer 'fc': sample 4's loss reaches other rows"):
         privatized_gradients(CausalOverTheBatch(), kl, (torch.randn(5, 6), targets), max_grad_norm=1.0,
                              noise_multiplier=0.0, expected_batch_size=5)
+
+
+class MixesUnlessItsInputRequiresGrad(nn.Module):
+    """Mixes samples after its first layer only on the path its training forward takes (an input that does not
+    require grad), not on the one a check with watched inputs would take."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.head = nn.Linear(6, 2), nn.Linear(2, 2)
+
+    def forward(self, x):  # x: [B, 6]
+        hidden = self.fc(x)
+        if not x.requires_grad:
+            hidden = 3 * hidden.cumsum(0)
+        return self.head(hidden).square().sum(1)  # [B]
+
+
+def test_the_layers_are_checked_on_the_inputs_the_training_forward_sees():
+    """The third review's model: the layers' check ran on watched inputs and passed it (leave-one-out 2.84 C)."""
+    with pytest.raises(UnsupportedLayerError, match="layer 'fc': sample 4's loss reaches other rows"):
+        privatized_gradients(MixesUnlessItsInputRequiresGrad(), lambda m, x: m(x), torch.randn(5, 6),
+                             max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=5)
+
+
+class CentresItsInputAfterAWatchedInfinity(nn.Module):
+    """Centres its input over the batch (samples mixed before the first layer); the first forward on an input that
+    requires grad gives an infinite loss, which proves nothing about the input's rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 1)
+        self.watched_forwards = 0
+
+    def forward(self, x):  # x: [B, 6]
+        first_watched = x.requires_grad and self.watched_forwards == 0
+        self.watched_forwards += x.requires_grad
+        loss = self.fc(x - x.mean(0)).squeeze(1)  # [B]
+        return loss + float("inf") if first_watched else loss
+
+
+def test_an_input_check_that_proved_nothing_is_done_again_on_the_next_microbatch():
+    with pytest.raises(UnsupportedLayerError, match="other samples' rows of input:"):
+        privatized_gradients(CentresItsInputAfterAWatchedInfinity(), lambda m, x: m(x), torch.randn(6, 6),
+                             max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=6, physical_batch_size=3)
 
 
 def test_a_loss_that_cannot_take_inputs_requiring_grad_is_checked_without_them():
