@@ -268,9 +268,14 @@ def _private_step(base: Any, images: Any, physical: int, forward: Callable, *,
     step = PrivateStep(model, plan, Schedule(peak_lr=LR, total_steps=10_000, kind="constant"),
                        physical_batch_size=physical)
 
+    def batch_of(local: Any, stream: Any) -> tuple[Any, Any]:
+        return images[local], stream.uniform((len(local), model.num_patches))  # [b, 3, S, S], [b, L]
+
+    def loss(mae: Any, inputs: tuple[Any, Any]) -> Any:  # one function for every step: checked once by the engine
+        return forward(mae, inputs[0], noise=inputs[1].to(images.device))[0].float()  # [b]
+
     def run() -> None:
-        step(lambda local, stream: (images[local], stream.uniform((len(local), model.num_patches))),
-             lambda mae, inputs: forward(mae, inputs[0], noise=inputs[1].to(images.device))[0].float())
+        step(batch_of, loss)
 
     return run, [model, step.optimizer]
 

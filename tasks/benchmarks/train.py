@@ -130,15 +130,16 @@ def _interleaved(config: Any, partition: Any, memory: Any, *, batch: int, steps:
     pipeline.load_state_dict(in_memory.sampler.state_dict())  # the same Poisson samples on both sides
     gather = (lambda local: memory[local].pin_memory()) if device.type == "cuda" else (lambda local: memory[local])
     sources = {"in_memory": (in_memory, gather), "shards": (shards, pipeline.pixels)}
+    loss = _mae_loss(precision)
     blocks: dict[str, list[tuple[int, float]]] = {name: [] for name in sources}  # (images, seconds) of each block
     for attempt in range(rounds):
         for name, (step, pixels) in _ordered(sources, attempt):
             # untimed: the warm-up, then each block's first ahead + 1 steps (the pipeline starts cold once per
             # run, and at every block here; the timed steps' samples are all drawn while steps run)
-            _block(step, pixels, precision, (warmup if attempt == 0 else 0) + ahead + 1)
+            _block(step, pixels, loss, (warmup if attempt == 0 else 0) + ahead + 1)
             finish(device)
             started = time.perf_counter()
-            images = _block(step, pixels, precision, steps)
+            images = _block(step, pixels, loss, steps)
             finish(device)
             blocks[name].append((images, time.perf_counter() - started))
             if name == "shards":
@@ -177,14 +178,20 @@ def _private_step(base: Any, config: Any, dataset_size: int, batch: int) -> Any:
                        physical_batch_size=config.private.physical_batch_size)
 
 
-def _block(step: Any, pixels: Any, precision: str, count: int) -> int:
-    """Takes ``count`` steps with images from ``pixels(local)``; returns the images they used."""
+def _mae_loss(precision: str) -> Any:
+    """The pre-training worker's loss; made once per run, as a worker does, so that the engine checks it once."""
     from vip_core.train.pipeline import mae_loss
-
-    def batch(local: Any, stream: Any) -> tuple[Any, Any]:
-        return pixels(local), stream.uniform((len(local), step.model.num_patches))  # [k, 3, S, S], [k, L]
 
     def loss(model: Any, inputs: tuple[Any, Any]) -> Any:
         return mae_loss(model, *inputs, precision)  # [b]
+
+    return loss
+
+
+def _block(step: Any, pixels: Any, loss: Any, count: int) -> int:
+    """Takes ``count`` steps with images from ``pixels(local)``; returns the images they used."""
+
+    def batch(local: Any, stream: Any) -> tuple[Any, Any]:
+        return pixels(local), stream.uniform((len(local), step.model.num_patches))  # [k, 3, S, S], [k, L]
 
     return sum(step(batch, loss).examples for _ in range(count))

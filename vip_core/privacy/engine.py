@@ -32,6 +32,7 @@ sum use it.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 import threading
@@ -872,21 +873,62 @@ def _verify_per_sample_layout(plan: ModelPlan, model: nn.Module, loss_fn: LossFn
     added to ``[B, T, D]``) would have its samples mixed, silently when the shapes happen to fit.
 
     Checked on a model's microbatches of two or more samples until every layer and plain parameter was
-    reached once: the gradients of the first and the last sample's loss must be exactly zero in every other
-    sample's rows. A microbatch whose checked loss is not finite, or whose gradient in another sample's rows is
-    NaN, proves nothing and is passed over. While the layers are checked, the floating-point inputs are checked too,
-    in a forward of their own (:func:`_check_inputs_unmixed`).
+    reached once, afresh for another loss_fn or other input names and dtypes: the gradients of the first and the
+    last sample's loss must be exactly zero in every other sample's rows. A microbatch whose checked loss is not
+    finite, or whose gradient in another sample's rows is NaN, proves nothing and is passed over. The floating-point
+    and complex inputs are checked once too, in a forward of their own (:func:`_check_inputs_unmixed`).
     """
-    verified = _VERIFIED_LAYOUT.setdefault(model, set())
+    checked = _layout_checked(model, loss_fn, inputs)
     names = {name for name, _ in plan.plain} | {name for name, _, _ in plan.layers}
-    if batch < 2 or names <= verified:
+    if batch < 2 or names <= checked.names:
         return
-    reached = _check_layers_unmixed(plan, model, loss_fn, inputs, batch)
-    if reached is None:
-        return
-    if not _check_inputs_unmixed(plan, model, loss_fn, inputs, batch):  # after the layers' graph is freed
-        return
-    verified.update(name for name, count in reached.items() if count == len({0, batch - 1}))
+    with torch.autograd.set_detect_anomaly(False):  # anomaly mode would raise on the NaN entries passed over
+        reached = _check_layers_unmixed(plan, model, loss_fn, inputs, batch)
+        if reached is None:
+            return
+        if not checked.inputs:  # after the layers' graph is freed
+            checked.inputs = _check_inputs_unmixed(plan, model, loss_fn, inputs, batch)
+            if not checked.inputs:
+                return
+    checked.names.update(name for name, count in reached.items() if count == len({0, batch - 1}))
+
+
+@dataclass
+class _LayoutChecked:
+    """What :func:`_verify_per_sample_layout` has checked of one model with one loss_fn and one input structure."""
+
+    loss_fn: Callable[[], LossFn | None]  # a weak reference: a loss_fn closing over its model must not keep it alive
+    input_structure: tuple[tuple[str, torch.dtype], ...]
+    names: set[str] = field(default_factory=set)  # the layers and plain parameters checked
+    inputs: bool = False  # the floating-point inputs checked
+
+
+def _layout_checked(model: nn.Module, loss_fn: LossFn, inputs: Inputs) -> _LayoutChecked:
+    """The model's record, started afresh when the loss_fn or the inputs' names and dtypes are not the ones checked
+    (another loss, or other inputs, may mix samples where the checked ones did not)."""
+    structure = tuple((name, tensor.dtype) for name, tensor in _named_inputs(inputs))
+    checked = _LAYOUT_CHECKED.get(model)
+    if checked is None or not _same_loss(checked.loss_fn(), loss_fn) or checked.input_structure != structure:
+        checked = _LayoutChecked(_weak_reference(loss_fn), structure)
+        _LAYOUT_CHECKED[model] = checked
+    return checked
+
+
+def _same_loss(checked: LossFn | None, loss_fn: LossFn) -> bool:
+    """The same function object, or the same method bound to the same object (each access makes a new bound
+    method)."""
+    return checked is loss_fn or (inspect.ismethod(loss_fn) and checked == loss_fn)
+
+
+def _weak_reference(loss_fn: LossFn) -> Callable[[], LossFn | None]:
+    """A weak reference to ``loss_fn`` (a bound method's through its function and object); one that dies at once
+    when ``loss_fn`` cannot be referenced weakly, so that such a loss_fn is checked again each step."""
+    if inspect.ismethod(loss_fn):
+        return weakref.WeakMethod(loss_fn)
+    try:
+        return weakref.ref(loss_fn)
+    except TypeError:
+        return lambda: None
 
 
 def _check_layers_unmixed(
@@ -922,9 +964,9 @@ def _check_layers_unmixed(
 
 def _check_inputs_unmixed(plan: ModelPlan, model: nn.Module, loss_fn: LossFn, inputs: Inputs, batch: int) -> bool:
     """Refuses a model or loss in which the first or the last sample's loss depends on another sample's rows of a
-    floating-point input: samples mixed before the first layer by differentiable operations (``x - x.mean(0)``),
-    which the layers' rows do not show. A forward of its own, apart from the layers' check (a model might branch on
-    its inputs' ``requires_grad``); NaN entries of the gradients (0 · log 0) are passed over, and a model or loss
+    floating-point or complex input: samples mixed before the first layer by differentiable operations
+    (``x - x.mean(0)``), which the layers' rows do not show. A forward of its own, apart from the layers' check (a
+    model might branch on its inputs' ``requires_grad``); NaN entries of the gradients (0 · log 0) are passed over, and a model or loss
     that cannot run on inputs that require grad (``.numpy()``, ``out=``) is not checked here. Integer inputs
     (indices, uint8 images) have no gradient to watch, and mixing through operations without a gradient (a
     detached batch mean) is not seen. False when this microbatch proves nothing (a checked loss not finite), so
@@ -952,22 +994,34 @@ def _check_inputs_unmixed(plan: ModelPlan, model: nn.Module, loss_fn: LossFn, in
 
 
 def _watched_inputs(inputs: Inputs) -> tuple[Inputs, list[tuple[str, torch.Tensor]]]:
-    """``inputs`` with each floating-point tensor replaced by a copy of a new leaf that requires grad (a copy, so that
-    the model may still write into it in place), and those leaves by name (``input``, ``input[k]``)."""
+    """``inputs`` with each floating-point or complex tensor replaced by a copy of a new leaf that requires grad (a
+    copy, so that the model may still write into it in place), and those leaves by name (``input``, ``input[k]``)."""
     leaves: list[tuple[str, torch.Tensor]] = []
 
     def watched(name: str, tensor: torch.Tensor) -> torch.Tensor:
-        if not tensor.is_floating_point():
+        if not (tensor.is_floating_point() or tensor.is_complex()):
             return tensor
         leaf = tensor.detach().requires_grad_()
         leaves.append((name, leaf))
         return leaf.clone()
 
+    return _map_inputs(inputs, watched), leaves
+
+
+def _named_inputs(inputs: Inputs) -> list[tuple[str, torch.Tensor]]:
+    """The input tensors by name (``input``, ``input[k]``), in order."""
+    named: list[tuple[str, torch.Tensor]] = []
+    _map_inputs(inputs, lambda name, tensor: named.append((name, tensor)))
+    return named
+
+
+def _map_inputs(inputs: Inputs, fn: Callable[[str, torch.Tensor], Any]) -> Any:
+    """``inputs`` with ``fn(name, tensor)`` in place of each tensor, in the same structure."""
     if isinstance(inputs, torch.Tensor):
-        return watched("input", inputs), leaves
+        return fn("input", inputs)
     if isinstance(inputs, Mapping):
-        return {key: watched(f"input[{key!r}]", value) for key, value in inputs.items()}, leaves
-    return type(inputs)(watched(f"input[{index}]", value) for index, value in enumerate(inputs)), leaves
+        return {key: fn(f"input[{key!r}]", value) for key, value in inputs.items()}
+    return type(inputs)(fn(f"input[{index}]", value) for index, value in enumerate(inputs))
 
 
 def _keep_output(name: str, outputs: list[tuple[str, torch.Tensor]]) -> Callable:
@@ -994,7 +1048,7 @@ def _mixing_message(name: str, stand_ins: dict[str, torch.Tensor], sample: int) 
             "sample (a sequence-first or flattened layout); per-sample clipping needs the batch on dim 0")
 
 
-_VERIFIED_LAYOUT: "weakref.WeakKeyDictionary[nn.Module, set[str]]" = weakref.WeakKeyDictionary()
+_LAYOUT_CHECKED: "weakref.WeakKeyDictionary[nn.Module, _LayoutChecked]" = weakref.WeakKeyDictionary()
 
 
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import copy
+import gc
 import math
 import re
+import weakref
 
 import pytest
 import torch
@@ -1045,6 +1047,106 @@ def test_an_input_check_that_proved_nothing_is_done_again_on_the_next_microbatch
     with pytest.raises(UnsupportedLayerError, match="other samples' rows of input:"):
         privatized_gradients(CentresItsInputAfterAWatchedInfinity(), lambda m, x: m(x), torch.randn(6, 6),
                              max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=6, physical_batch_size=3)
+
+
+def _supervised(model, batch):
+    return F.cross_entropy(model(batch["x"]), batch["y"], reduction="none")  # [B]
+
+
+def _standardised_over_the_batch(model, batch):
+    features = (batch["x"] - batch["x"].mean(0)) / (batch["x"].std(0) + 1e-5)  # [B, 8]
+    return F.cross_entropy(model(features), batch["y"], reduction="none")  # [B]
+
+
+def _one_step(model, loss_fn, inputs):
+    privatized_gradients(model, loss_fn, inputs, max_grad_norm=1.0, noise_multiplier=0.0,
+                         expected_batch_size=len(inputs["x"]))
+
+
+def test_a_model_checked_with_one_loss_is_checked_again_with_another():
+    """The second review of the input check: a model checked with a per-sample loss was then trained with one
+    standardising its inputs over the batch without a check (leave-one-out 2.28 C)."""
+    model, inputs = nn.Linear(8, 4), {"x": torch.randn(6, 8), "y": torch.randint(0, 4, (6,))}
+    _one_step(model, _supervised, inputs)
+    with pytest.raises(UnsupportedLayerError, match=r"other samples' rows of input\['x'\]"):
+        _one_step(model, _standardised_over_the_batch, inputs)
+
+
+def test_a_model_checked_on_some_inputs_is_checked_again_on_others():
+    def shifted(model, batch):  # the shift, when given, is centred over the batch
+        shift = batch["shift"] - batch["shift"].mean(0) if "shift" in batch else 0
+        return F.cross_entropy(model(batch["x"] + shift), batch["y"], reduction="none")  # [B]
+
+    model, inputs = nn.Linear(8, 4), {"x": torch.randn(6, 8), "y": torch.randint(0, 4, (6,))}
+    _one_step(model, shifted, inputs)
+    with pytest.raises(UnsupportedLayerError, match=r"other samples' rows of input\['shift'\]"):
+        _one_step(model, shifted, {**inputs, "shift": torch.randn(6, 8)})
+
+
+def test_a_bound_method_loss_is_checked_once_and_does_not_keep_its_object_alive():
+    class Run:
+        def __init__(self) -> None:
+            self.model, self.watched_forwards = nn.Linear(8, 4), 0
+
+        def loss(self, model, batch):
+            self.watched_forwards += batch["x"].requires_grad
+            return _supervised(model, batch)
+
+    run = Run()
+    for _ in range(3):
+        _one_step(run.model, run.loss, {"x": torch.randn(6, 8), "y": torch.randint(0, 4, (6,))})
+    assert run.watched_forwards == 1
+    alive = weakref.ref(run)
+    del run
+    gc.collect()
+    assert alive() is None
+
+
+def test_samples_mixed_in_a_complex_input_are_refused():
+    class CentredSpectrum(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(16, 1)
+
+        def forward(self, spectrum):  # spectrum: [B, 8] complex
+            centred = torch.view_as_real(spectrum - spectrum.mean(0)).flatten(1)  # [B, 16]
+            return self.fc(centred).squeeze(1).square()  # [B]
+
+    with pytest.raises(UnsupportedLayerError, match="other samples' rows of input:"):
+        engine_grads(CentredSpectrum(), lambda m, x: m(x), torch.randn(6, 8, dtype=torch.complex64), 1.0)
+
+
+def test_anomaly_detection_does_not_turn_the_input_check_off():
+    """Under anomaly detection, the NaN a KL loss against soft targets with zeros puts in the targets' gradient
+    raised, and the input check counted as done (leave-one-out 5.50 C)."""
+    def kl_of_centred(model, batch):
+        logits = model(batch["x"] - batch["x"].mean(0))  # [B, 4]
+        return F.kl_div(F.log_softmax(logits, -1), batch["targets"], reduction="none").sum(-1)  # [B]
+
+    targets = torch.softmax(torch.randn(6, 4), -1) * torch.tensor([0.0, 1, 1, 1])  # [B, 4], zeros in column 0
+    inputs = {"x": torch.randn(6, 8), "targets": targets / targets.sum(-1, keepdim=True)}
+    with torch.autograd.set_detect_anomaly(True), pytest.raises(UnsupportedLayerError, match="input\\['x'\\]"):
+        _one_step(nn.Linear(8, 4), kl_of_centred, inputs)
+
+
+class AuxiliaryHeadTheLossDoesNotUse(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.aux = nn.Linear(6, 1), nn.Linear(6, 1)
+        self.watched_forwards = 0
+
+    def forward(self, x):  # x: [B, 6]
+        self.watched_forwards += x.requires_grad
+        self.aux_output = self.aux(x)  # [B, 1], not in the loss
+        return self.fc(x).squeeze(1)  # [B]
+
+
+def test_inputs_checked_once_are_not_checked_again_while_a_layer_waits_to_be_reached():
+    model, loss_fn = AuxiliaryHeadTheLossDoesNotUse(), lambda m, x: m(x)
+    for _ in range(2):
+        privatized_gradients(model, loss_fn, torch.randn(8, 6), max_grad_norm=1.0, noise_multiplier=0.0,
+                             expected_batch_size=8, physical_batch_size=2)
+    assert model.watched_forwards == 1
 
 
 def test_a_loss_that_cannot_take_inputs_requiring_grad_is_checked_without_them():
