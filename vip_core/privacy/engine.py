@@ -897,10 +897,10 @@ def _verify_per_sample_layout(plan: ModelPlan, model: nn.Module, loss_fn: LossFn
 class _LayoutChecked:
     """What :func:`_verify_per_sample_layout` has checked of one model with one loss_fn and one input structure."""
 
-    loss_fn: Callable[[], LossFn | None]  # a weak reference: a loss_fn closing over its model must not keep it alive
+    is_checked_loss: Callable[[LossFn], bool]  # whether a loss_fn is the checked one (held weakly where it can be)
     input_structure: tuple[tuple[str, torch.dtype], ...]
     names: set[str] = field(default_factory=set)  # the layers and plain parameters checked
-    inputs: bool = False  # the floating-point inputs checked
+    inputs: bool = False  # the floating-point and complex inputs checked
 
 
 def _layout_checked(model: nn.Module, loss_fn: LossFn, inputs: Inputs) -> _LayoutChecked:
@@ -908,27 +908,30 @@ def _layout_checked(model: nn.Module, loss_fn: LossFn, inputs: Inputs) -> _Layou
     (another loss, or other inputs, may mix samples where the checked ones did not)."""
     structure = tuple((name, tensor.dtype) for name, tensor in _named_inputs(inputs))
     checked = _LAYOUT_CHECKED.get(model)
-    if checked is None or not _same_loss(checked.loss_fn(), loss_fn) or checked.input_structure != structure:
-        checked = _LayoutChecked(_weak_reference(loss_fn), structure)
+    if checked is None or not checked.is_checked_loss(loss_fn) or checked.input_structure != structure:
+        checked = _LayoutChecked(_recogniser(loss_fn), structure)
         _LAYOUT_CHECKED[model] = checked
     return checked
 
 
-def _same_loss(checked: LossFn | None, loss_fn: LossFn) -> bool:
-    """The same function object, or the same method bound to the same object (each access makes a new bound
-    method)."""
-    return checked is loss_fn or (inspect.ismethod(loss_fn) and checked == loss_fn)
-
-
-def _weak_reference(loss_fn: LossFn) -> Callable[[], LossFn | None]:
-    """A weak reference to ``loss_fn`` (a bound method's through its function and object); one that dies at once
-    when ``loss_fn`` cannot be referenced weakly, so that such a loss_fn is checked again each step."""
+def _recogniser(loss_fn: LossFn) -> Callable[[LossFn], bool]:
+    """Whether a later loss_fn is this same function object, or this method bound to this same object (each access
+    makes a new bound method)."""
     if inspect.ismethod(loss_fn):
-        return weakref.WeakMethod(loss_fn)
+        function, owner = loss_fn.__func__, _reference(loss_fn.__self__)
+        return lambda other: inspect.ismethod(other) and other.__func__ is function and other.__self__ is owner()
+    held = _reference(loss_fn)
+    return lambda other: other is held()
+
+
+def _reference(target: Any) -> Callable[[], Any]:
+    """A weak reference to ``target`` (a loss_fn or its object may hold the model, which must not be kept alive by
+    its record), or a strong one where ``target`` cannot be referenced weakly (a ``__slots__`` class, a builtin):
+    then a loss_fn holding its model keeps it alive for the process."""
     try:
-        return weakref.ref(loss_fn)
+        return weakref.ref(target)
     except TypeError:
-        return lambda: None
+        return lambda: target
 
 
 def _check_layers_unmixed(

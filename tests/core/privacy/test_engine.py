@@ -1102,6 +1102,32 @@ def test_a_bound_method_loss_is_checked_once_and_does_not_keep_its_object_alive(
     assert alive() is None
 
 
+class SlottedObjective:
+    """A loss_fn's object that cannot be referenced weakly (``__slots__`` without ``__weakref__``)."""
+
+    __slots__ = ("watched",)
+
+    def __init__(self) -> None:
+        self.watched = []  # whether each forward's input required grad
+
+    def loss(self, model, batch):
+        self.watched.append(batch["x"].requires_grad)
+        return _supervised(model, batch)
+
+    def __call__(self, model, batch):
+        return self.loss(model, batch)
+
+
+@pytest.mark.parametrize("as_method", [True, False], ids=["method", "callable"])
+def test_a_loss_that_cannot_be_referenced_weakly_is_checked_once(as_method):
+    objective, model = SlottedObjective(), nn.Linear(8, 4)
+    for _ in range(3):
+        privatized_gradients(model, objective.loss if as_method else objective,
+                             {"x": torch.randn(6, 8), "y": torch.randint(0, 4, (6,))}, max_grad_norm=1.0,
+                             noise_multiplier=0.0, expected_batch_size=6, physical_batch_size=2)
+    assert sum(objective.watched) == 1
+
+
 def test_samples_mixed_in_a_complex_input_are_refused():
     class CentredSpectrum(nn.Module):
         def __init__(self) -> None:
