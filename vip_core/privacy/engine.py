@@ -47,6 +47,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 from torch.profiler import record_function
+from torch.utils.weak import WeakIdKeyDictionary
 
 from vip_core.privacy.per_sample import (
     RULES, TENSOR_CORE_MIN_CLIP, GramBounds, PerSample, PlainRule, Rule, Sums, add_materialised_sums,
@@ -872,15 +873,16 @@ def _verify_per_sample_layout(plan: ModelPlan, model: nn.Module, loss_fn: LossFn
     be sample i's, and a model that lays its samples out otherwise (sequence-first, a ``[1, D]`` parameter
     added to ``[B, T, D]``) would have its samples mixed, silently when the shapes happen to fit.
 
-    Checked on a model's microbatches of two or more samples until every layer and plain parameter was
-    reached once, afresh for another loss_fn or other input names and dtypes: the gradients of the first and the
+    Checked on a model's microbatches of two or more samples until every layer and plain parameter (by identity)
+    was reached once, afresh for another loss_fn or other input names and dtypes: the gradients of the first and the
     last sample's loss must be exactly zero in every other sample's rows. A microbatch whose checked loss is not
     finite, or whose gradient in another sample's rows is NaN, proves nothing and is passed over. The floating-point
     and complex inputs are checked once too, in a forward of their own (:func:`_check_inputs_unmixed`).
     """
     checked = _layout_checked(model, loss_fn, inputs)
-    names = {name for name, _ in plan.plain} | {name for name, _, _ in plan.layers}
-    if batch < 2 or names <= checked.names:
+    parts: dict[str, nn.Module | nn.Parameter] = {name: param for name, param in plan.plain}
+    parts.update((name, module) for name, module, _ in plan.layers)
+    if batch < 2 or all(part in checked.parts for part in parts.values()):
         return
     with torch.autograd.set_detect_anomaly(False):  # anomaly mode would raise on the NaN entries passed over
         reached = _check_layers_unmixed(plan, model, loss_fn, inputs, batch)
@@ -890,7 +892,9 @@ def _verify_per_sample_layout(plan: ModelPlan, model: nn.Module, loss_fn: LossFn
             checked.inputs = _check_inputs_unmixed(plan, model, loss_fn, inputs, batch)
             if not checked.inputs:
                 return
-    checked.names.update(name for name, count in reached.items() if count == len({0, batch - 1}))
+    for name, count in reached.items():
+        if count == len({0, batch - 1}):
+            checked.parts[parts[name]] = True
 
 
 @dataclass
@@ -899,7 +903,8 @@ class _LayoutChecked:
 
     is_checked_loss: Callable[[LossFn], bool]  # whether a loss_fn is the checked one (held weakly where it can be)
     input_structure: tuple[tuple[str, torch.dtype], ...]
-    names: set[str] = field(default_factory=set)  # the layers and plain parameters checked
+    # the layers and plain parameters checked, by identity: a layer put in a checked one's place is checked afresh
+    parts: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
     inputs: bool = False  # the floating-point and complex inputs checked
 
 

@@ -1102,6 +1102,26 @@ def test_a_bound_method_loss_is_checked_once_and_does_not_keep_its_object_alive(
     assert alive() is None
 
 
+class Pooling(nn.Module):
+    def __init__(self, centred_over_the_batch: bool) -> None:
+        super().__init__()
+        self.fc, self.centred_over_the_batch = nn.Linear(8, 8), centred_over_the_batch
+
+    def forward(self, x):  # x: [B, 8]
+        hidden = self.fc(x)  # [B, 8]
+        return hidden - hidden.mean(0) if self.centred_over_the_batch else hidden
+
+
+def test_a_layer_put_in_a_checked_ones_place_is_checked_afresh():
+    """Fine-tuning code that replaces a checked submodule keeps its layers' names: the new ones are checked."""
+    model = nn.Sequential(Pooling(False), nn.Linear(8, 4))
+    inputs = {"x": torch.randn(6, 8), "y": torch.randint(0, 4, (6,))}
+    _one_step(model, _supervised, inputs)
+    model[0] = Pooling(True)
+    with pytest.raises(UnsupportedLayerError, match="layer '0.fc': sample 0's loss reaches other rows"):
+        _one_step(model, _supervised, inputs)
+
+
 class SlottedObjective:
     """A loss_fn's object that cannot be referenced weakly (``__slots__`` without ``__weakref__``)."""
 
