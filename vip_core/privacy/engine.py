@@ -873,8 +873,8 @@ def _verify_per_sample_layout(plan: ModelPlan, model: nn.Module, loss_fn: LossFn
     be sample i's, and a model that lays its samples out otherwise (sequence-first, a ``[1, D]`` parameter
     added to ``[B, T, D]``) would have its samples mixed, silently when the shapes happen to fit.
 
-    Checked on a model's microbatches of two or more samples until every layer and plain parameter (by identity)
-    was reached once, afresh for another loss_fn or other input names and dtypes: the gradients of the first and the
+    Checked on a model's microbatches of two or more samples until every layer and plain parameter (by identity and
+    name) was reached once, afresh for another loss_fn or other input names and dtypes: the gradients of the first and the
     last sample's loss must be exactly zero in every other sample's rows. A microbatch whose checked loss is not
     finite, or whose gradient in another sample's rows is NaN, proves nothing and is passed over. The floating-point
     and complex inputs are checked once too, in a forward of their own (:func:`_check_inputs_unmixed`).
@@ -882,7 +882,7 @@ def _verify_per_sample_layout(plan: ModelPlan, model: nn.Module, loss_fn: LossFn
     checked = _layout_checked(model, loss_fn, inputs)
     parts: dict[str, nn.Module | nn.Parameter] = {name: param for name, param in plan.plain}
     parts.update((name, module) for name, module, _ in plan.layers)
-    if batch < 2 or all(part in checked.parts for part in parts.values()):
+    if batch < 2 or all(name in checked.parts.get(part, ()) for name, part in parts.items()):
         return
     with torch.autograd.set_detect_anomaly(False):  # anomaly mode would raise on the NaN entries passed over
         reached = _check_layers_unmixed(plan, model, loss_fn, inputs, batch)
@@ -894,7 +894,7 @@ def _verify_per_sample_layout(plan: ModelPlan, model: nn.Module, loss_fn: LossFn
                 return
     for name, count in reached.items():
         if count == len({0, batch - 1}):
-            checked.parts[parts[name]] = True
+            checked.parts.setdefault(parts[name], set()).add(name)
 
 
 @dataclass
@@ -903,7 +903,8 @@ class _LayoutChecked:
 
     is_checked_loss: Callable[[LossFn], bool]  # whether a loss_fn is the checked one (held weakly where it can be)
     input_structure: tuple[tuple[str, torch.dtype], ...]
-    # the layers and plain parameters checked, by identity: a layer put in a checked one's place is checked afresh
+    # the layers and plain parameters checked, by identity and the names they were checked under: a layer put in a
+    # checked one's place, or a checked layer moved or wrapped under another name, is checked afresh
     parts: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
     inputs: bool = False  # the floating-point and complex inputs checked
 

@@ -1122,6 +1122,22 @@ def test_a_layer_put_in_a_checked_ones_place_is_checked_afresh():
         _one_step(model, _supervised, inputs)
 
 
+class StandardisedOverTheBatch(nn.Module):
+    def forward(self, logits):  # logits: [B, 4]
+        return (logits - logits.mean(0)) / (logits.std(0) + 1e-5)
+
+
+def test_a_checked_layer_wrapped_under_another_name_is_checked_afresh():
+    """The seventh review's case: fine-tuning code wrapping the checked head keeps every layer object, and with them
+    recorded by identity alone the new mixing went unchecked (leave-one-out 2.34 C)."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    inputs = {"x": torch.randn(6, 8), "y": torch.randint(0, 4, (6,))}
+    _one_step(model, _supervised, inputs)
+    model[2] = nn.Sequential(model[2], StandardisedOverTheBatch())
+    with pytest.raises(UnsupportedLayerError, match="sample 0's loss reaches other rows"):
+        _one_step(model, _supervised, inputs)
+
+
 class SlottedObjective:
     """A loss_fn's object that cannot be referenced weakly (``__slots__`` without ``__weakref__``)."""
 
