@@ -903,6 +903,7 @@ class _LayoutChecked:
 
     is_checked_loss: Callable[[LossFn], bool]  # whether a loss_fn is the checked one (held weakly where it can be)
     input_structure: tuple[tuple[str, torch.dtype], ...]
+    modules: _ModuleTree  # the model's modules, hooks and instance forwards when the record was started
     # the layers and plain parameters checked, by identity and the names they were checked under: a layer put in a
     # checked one's place, or a checked layer moved or wrapped under another name, is checked afresh
     parts: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
@@ -913,11 +914,58 @@ def _layout_checked(model: nn.Module, loss_fn: LossFn, inputs: Inputs) -> _Layou
     """The model's record, started afresh when the loss_fn or the inputs' names and dtypes are not the ones checked
     (another loss, or other inputs, may mix samples where the checked ones did not)."""
     structure = tuple((name, tensor.dtype) for name, tensor in _named_inputs(inputs))
+    modules = list(model.named_modules(remove_duplicate=False))
     checked = _LAYOUT_CHECKED.get(model)
-    if checked is None or not checked.is_checked_loss(loss_fn) or checked.input_structure != structure:
-        checked = _LayoutChecked(_recogniser(loss_fn), structure)
+    if (checked is None or not checked.is_checked_loss(loss_fn) or checked.input_structure != structure
+            or not checked.modules.matches(modules)):
+        checked = _LayoutChecked(_recogniser(loss_fn), structure, _ModuleTree(modules))
         _LAYOUT_CHECKED[model] = checked
     return checked
+
+
+class _ModuleTree:
+    """A model's modules as a record was started: each module's name, object (held weakly), type, hooks and any
+    forward set on the instance, and the global module hooks. A module added, replaced, moved or hooked, or a
+    forward set on an instance, after the check may mix samples where the checked model did not."""
+
+    def __init__(self, modules: list[tuple[str, nn.Module]]) -> None:
+        self.entries = [(name, weakref.ref(module), type(module), _hook_state(module), _forward_recogniser(module))
+                        for name, module in modules]
+        self.global_hooks = _global_hook_state()
+
+    def matches(self, modules: list[tuple[str, nn.Module]]) -> bool:
+        if len(modules) != len(self.entries) or _global_hook_state() != self.global_hooks:
+            return False
+        for (name, module), (checked_name, checked_module, cls, hooks, is_forward) in zip(modules, self.entries):
+            if name != checked_name or checked_module() is not module or type(module) is not cls:
+                return False
+            forward = module.__dict__.get("forward")
+            if _hook_state(module) != hooks or (forward is None) != (is_forward is None):
+                return False
+            if forward is not None and not is_forward(forward):
+                return False
+        return True
+
+
+_HOOK_TABLES = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _hook_state(module: nn.Module) -> tuple | None:
+    """The ids of ``module``'s hooks (handle ids, never reused), or None when it has none."""
+    tables = [getattr(module, table, None) for table in _HOOK_TABLES]
+    return tuple(tuple(table) for table in tables) if any(tables) else None
+
+
+def _global_hook_state() -> tuple:
+    """The ids of the hooks registered for every module (``register_module_forward_hook`` and the like)."""
+    return tuple(tuple(getattr(nn.modules.module, f"_global{table}", ())) for table in _HOOK_TABLES)
+
+
+def _forward_recogniser(module: nn.Module) -> Callable[[Callable], bool] | None:
+    """Whether a later instance forward is the one set on ``module`` now (``module.forward = ...``); None when
+    there is none."""
+    forward = module.__dict__.get("forward")
+    return None if forward is None else _recogniser(forward)
 
 
 def _recogniser(loss_fn: LossFn) -> Callable[[LossFn], bool]:

@@ -1138,6 +1138,53 @@ def test_a_checked_layer_wrapped_under_another_name_is_checked_afresh():
         _one_step(model, _supervised, inputs)
 
 
+def _standardise_over_the_batch(module, args, output):  # a forward hook: output [B, 4]
+    return StandardisedOverTheBatch()(output)
+
+
+def _centre_over_the_batch(module, args):  # a forward pre-hook: args[0] [B, 8]
+    return (args[0] - args[0].mean(0),)
+
+
+def _override_forward(model):
+    checked_forward = model.forward
+    model.forward = lambda x: StandardisedOverTheBatch()(checked_forward(x))
+
+
+MODEL_EDITS = {
+    "an activation replaced": lambda model: model.__setitem__(1, StandardisedOverTheBatch()),
+    "a module appended": lambda model: model.append(StandardisedOverTheBatch()),
+    "a forward hook": lambda model: model[2].register_forward_hook(_standardise_over_the_batch),
+    "a pre-hook on the first layer": lambda model: model[0].register_forward_pre_hook(_centre_over_the_batch),
+    "a forward set on the instance": _override_forward,
+}
+
+
+@pytest.mark.parametrize("edit", MODEL_EDITS.values(), ids=MODEL_EDITS.keys())
+def test_a_model_edited_around_its_checked_layers_is_checked_afresh(edit):
+    """The eighth review's edits: every checked layer kept its object and name, and the mixing added around them
+    went unchecked (1.49-2.30 C)."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    inputs = {"x": torch.randn(6, 8), "y": torch.randint(0, 4, (6,))}
+    _one_step(model, _supervised, inputs)
+    edit(model)
+    with pytest.raises(UnsupportedLayerError, match="sample 0's loss"):
+        _one_step(model, _supervised, inputs)
+
+
+def test_a_global_module_hook_registered_after_the_check_is_checked_afresh():
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    inputs = {"x": torch.randn(6, 8), "y": torch.randint(0, 4, (6,))}
+    _one_step(model, _supervised, inputs)
+    handle = nn.modules.module.register_module_forward_hook(
+        lambda module, args, output: _standardise_over_the_batch(module, args, output) if module is model else None)
+    try:
+        with pytest.raises(UnsupportedLayerError, match="sample 0's loss"):
+            _one_step(model, _supervised, inputs)
+    finally:
+        handle.remove()
+
+
 class SlottedObjective:
     """A loss_fn's object that cannot be referenced weakly (``__slots__`` without ``__weakref__``)."""
 
