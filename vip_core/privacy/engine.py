@@ -924,20 +924,24 @@ def _layout_checked(model: nn.Module, loss_fn: LossFn, inputs: Inputs) -> _Layou
 
 
 class _ModuleTree:
-    """A model's modules as a record was started: each module's name, object (held weakly), type, hooks and any
-    forward set on the instance, and the global module hooks. A module added, replaced, moved or hooked, or a
-    forward set on an instance, after the check may mix samples where the checked model did not."""
+    """A model's modules as a record was started: each module's name, object (held weakly), type and its forward,
+    hooks and any forward set on the instance, and the global module hooks. A module added, replaced, moved or
+    hooked, or a forward set on an instance or its class, after the check may mix samples where the checked model
+    did not."""
 
     def __init__(self, modules: list[tuple[str, nn.Module]]) -> None:
-        self.entries = [(name, weakref.ref(module), type(module), _hook_state(module), _forward_recogniser(module))
-                        for name, module in modules]
+        self.entries = [(name, weakref.ref(module), type(module), type(module).forward, _hook_state(module),
+                         _forward_recogniser(module)) for name, module in modules]
         self.global_hooks = _global_hook_state()
 
     def matches(self, modules: list[tuple[str, nn.Module]]) -> bool:
         if len(modules) != len(self.entries) or _global_hook_state() != self.global_hooks:
             return False
-        for (name, module), (checked_name, checked_module, cls, hooks, is_forward) in zip(modules, self.entries):
+        for (name, module), (checked_name, checked_module, cls, cls_forward, hooks, is_forward) in zip(
+                modules, self.entries):
             if name != checked_name or checked_module() is not module or type(module) is not cls:
+                return False
+            if cls.forward is not cls_forward:
                 return False
             forward = module.__dict__.get("forward")
             if _hook_state(module) != hooks or (forward is None) != (is_forward is None):

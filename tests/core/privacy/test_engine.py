@@ -1172,6 +1172,19 @@ def test_a_model_edited_around_its_checked_layers_is_checked_afresh(edit):
         _one_step(model, _supervised, inputs)
 
 
+def test_a_forward_set_on_a_modules_class_after_the_check_is_checked_afresh():
+    class Activation(nn.Module):
+        def forward(self, x):  # x: [B, 8]
+            return x.relu()
+
+    model = nn.Sequential(nn.Linear(8, 8), Activation(), nn.Linear(8, 4))
+    inputs = {"x": torch.randn(6, 8), "y": torch.randint(0, 4, (6,))}
+    _one_step(model, _supervised, inputs)
+    Activation.forward = lambda self, x: StandardisedOverTheBatch()(x.relu())
+    with pytest.raises(UnsupportedLayerError, match="sample 0's loss"):
+        _one_step(model, _supervised, inputs)
+
+
 def test_a_global_module_hook_registered_after_the_check_is_checked_afresh():
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
     inputs = {"x": torch.randn(6, 8), "y": torch.randint(0, 4, (6,))}
