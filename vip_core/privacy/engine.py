@@ -1044,7 +1044,10 @@ def _check_inputs_unmixed(plan: ModelPlan, model: nn.Module, loss_fn: LossFn, in
             grads = torch.autograd.grad(losses[sample], [leaf for _, leaf in leaves], retain_graph=True,
                                         allow_unused=True)
             per_sample.append((sample, grads))
-    except (RuntimeError, NotImplementedError, UnsupportedLayerError):  # cannot run on inputs that require grad
+    except (RuntimeError, NotImplementedError, UnsupportedLayerError) as error:  # cannot run on inputs requiring grad
+        logger.warning("the per-sample layout check left this model's inputs unchecked: its forward or loss_fn "
+                       "raised %s on inputs that require grad, so samples mixed before the first layer cannot be "
+                       "seen (docs/privacy.md, rule 5)", type(error).__name__)
         return True
     for sample, grads in per_sample:
         for (name, _), grad in zip(leaves, grads):

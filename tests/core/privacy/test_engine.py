@@ -1198,6 +1198,13 @@ def test_a_global_module_hook_registered_after_the_check_is_checked_afresh():
         handle.remove()
 
 
+def test_inputs_left_unchecked_are_named_in_a_warning(caplog):
+    with caplog.at_level("WARNING", logger="vip_core.privacy.engine"):
+        privatized_gradients(nn.Linear(4, 4), lambda m, x: m(torch.from_numpy(x.numpy())).square().mean((1, 2)),
+                             torch.randn(4, 3, 4), max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=4)
+    assert "left this model's inputs unchecked" in caplog.text and "RuntimeError" in caplog.text
+
+
 class SlottedObjective:
     """A loss_fn's object that cannot be referenced weakly (``__slots__`` without ``__weakref__``)."""
 
