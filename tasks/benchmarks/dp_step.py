@@ -15,8 +15,8 @@ with the noise and the optimiser step once per logical step, as in a real run. E
 over the rounds, of
 wall-clock time (``*_ratio``) and of this process's CPU time (``*_cpu_ratio``, steadier when other
 processes compete for the cores); ``*_ratio_per_round``, ``*_ratio_min`` and ``*_ratio_max`` give the time
-ratio's spread: each round's step over the non-private step of the same round. ``--precision bf16`` runs every mode's forward under bfloat16 autocast
-(the engine keeps per-sample norms and clipped sums in float32).
+ratio's spread: each round's step over the non-private step of the same round. ``--precision bf16`` runs every
+mode's forward under bfloat16 autocast (the engine keeps per-sample norms and clipped sums in float32).
 
 Opacus needs the MAE's cls and mask tokens out of the root module (otherwise every opacus mode falls back
 to a per-sample vmap of the whole forward, which fails on the random masking): for opacus the same
@@ -123,8 +123,7 @@ def _bench(preset: str, img_size: int, batch: int, repeats: int, warmup: int, op
     images = torch.randn(microbatches * batch, 3, img_size, img_size)  # images: [K*B, 3, S, S]
     steps = _step_functions(config, images.to(device), batch, opacus, precision, secure, tensor_cores)
     rounds, cpu_rounds = _interleaved_rounds(steps, repeats, warmup)
-    seconds = {name: statistics.median(values) for name, values in rounds.items()}
-    cpu_seconds = {name: statistics.median(values) for name, values in cpu_rounds.items()}
+    seconds, cpu_seconds = _medians(rounds), _medians(cpu_rounds)
     peaks = {name: _peak_bytes(step, state) for name, (step, state) in steps.items()}
     phases = {name: _kernel_seconds(steps[name][0]) if device.type == "cuda" else _phase_medians(steps[name][0], names)
               for name, names in PHASES.items()}
@@ -398,6 +397,10 @@ def _interleaved_rounds(
                 wall[name].append(time.perf_counter() - start)
                 cpu[name].append(time.process_time() - start_cpu)
     return wall, cpu
+
+
+def _medians(rounds: dict[str, list[float]]) -> dict[str, float]:
+    return {name: statistics.median(values) for name, values in rounds.items()}
 
 
 def _round_spread(key: str, mode_seconds: list[float], baseline_seconds: list[float]) -> dict[str, Any]:

@@ -874,15 +874,17 @@ def _verify_per_sample_layout(plan: ModelPlan, model: nn.Module, loss_fn: LossFn
     added to ``[B, T, D]``) would have its samples mixed, silently when the shapes happen to fit.
 
     Checked on a model's microbatches of two or more samples until every layer and plain parameter (by identity and
-    name) was reached once, afresh for another loss_fn or other input names and dtypes: the gradients of the first and the
-    last sample's loss must be exactly zero in every other sample's rows. A microbatch whose checked loss is not
+    name) was reached once, afresh for another loss_fn or other input names and dtypes: the gradients of the first
+    and the last sample's loss must be exactly zero in every other sample's rows. A microbatch whose checked loss is not
     finite, or whose gradient in another sample's rows is NaN, proves nothing and is passed over. The floating-point
     and complex inputs are checked once too, in a forward of their own (:func:`_check_inputs_unmixed`).
     """
+    if batch < 2:
+        return
     checked = _layout_checked(model, loss_fn, inputs)
     parts: dict[str, nn.Module | nn.Parameter] = {name: param for name, param in plan.plain}
     parts.update((name, module) for name, module, _ in plan.layers)
-    if batch < 2 or all(name in checked.parts.get(part, ()) for name, part in parts.items()):
+    if all(name in checked.parts.get(part, ()) for name, part in parts.items()):
         return
     with torch.autograd.set_detect_anomaly(False):  # anomaly mode would raise on the NaN entries passed over
         reached = _check_layers_unmixed(plan, model, loss_fn, inputs, batch)
@@ -893,7 +895,7 @@ def _verify_per_sample_layout(plan: ModelPlan, model: nn.Module, loss_fn: LossFn
             if not checked.inputs:
                 return
     for name, count in reached.items():
-        if count == len({0, batch - 1}):
+        if count == len(_checked_samples(batch)):
             checked.parts.setdefault(parts[name], set()).add(name)
 
 
@@ -1007,14 +1009,14 @@ def _check_layers_unmixed(
             handle.remove()
     watched = [*stand_ins.items(), *outputs]
     reached = {name: 0 for name, _ in watched}
-    for sample in sorted({0, batch - 1}):
-        if not (losses[sample].requires_grad and bool(torch.isfinite(losses[sample]))):
+    for sample in _checked_samples(batch):
+        if not _proves_something(losses[sample]):
             return None
         grads = torch.autograd.grad(losses[sample], [t for _, t in watched], retain_graph=True, allow_unused=True)
         for (name, tensor), grad in zip(watched, grads):
             if grad is None:
                 continue
-            others = torch.cat([grad[:sample], grad[sample + 1:]])
+            others = _other_rows(grad, sample)
             if bool(others.isnan().any()):
                 return None
             if bool((others != 0).any()):
@@ -1027,8 +1029,9 @@ def _check_inputs_unmixed(plan: ModelPlan, model: nn.Module, loss_fn: LossFn, in
     """Refuses a model or loss in which the first or the last sample's loss depends on another sample's rows of a
     floating-point or complex input: samples mixed before the first layer by differentiable operations
     (``x - x.mean(0)``), which the layers' rows do not show. A forward of its own, apart from the layers' check (a
-    model might branch on its inputs' ``requires_grad``); NaN entries of the gradients (0 · log 0) are passed over, and a model or loss
-    that cannot run on inputs that require grad (``.numpy()``, ``out=``) is not checked here. Integer inputs
+    model might branch on its inputs' ``requires_grad``); NaN entries of the gradients (0 · log 0) are passed over,
+    and a model or loss that cannot run on inputs that require grad (``.numpy()``, ``out=``) is not checked here
+    (a warning says so). Integer inputs
     (indices, uint8 images) have no gradient to watch, and mixing through operations without a gradient (a
     detached batch mean) is not seen. False when this microbatch proves nothing (a checked loss not finite), so
     the next one is checked again."""
@@ -1038,8 +1041,8 @@ def _check_inputs_unmixed(plan: ModelPlan, model: nn.Module, loss_fn: LossFn, in
     per_sample = []
     try:
         losses = _losses(model, loss_fn, watched_inputs, _stand_ins(plan, batch), batch)
-        for sample in sorted({0, batch - 1}):
-            if not (losses[sample].requires_grad and bool(torch.isfinite(losses[sample]))):
+        for sample in _checked_samples(batch):
+            if not _proves_something(losses[sample]):
                 return False
             grads = torch.autograd.grad(losses[sample], [leaf for _, leaf in leaves], retain_graph=True,
                                         allow_unused=True)
@@ -1051,10 +1054,25 @@ def _check_inputs_unmixed(plan: ModelPlan, model: nn.Module, loss_fn: LossFn, in
         return True
     for sample, grads in per_sample:
         for (name, _), grad in zip(leaves, grads):
-            others = None if grad is None else torch.cat([grad[:sample], grad[sample + 1:]])
+            others = None if grad is None else _other_rows(grad, sample)
             if others is not None and bool(((others != 0) & ~others.isnan()).any()):
                 raise UnsupportedLayerError(_input_mixing_message(name, sample))
     return True
+
+
+def _checked_samples(batch: int) -> list[int]:
+    """The samples whose losses the layout check differentiates: the first and the last."""
+    return sorted({0, batch - 1})
+
+
+def _proves_something(loss: torch.Tensor) -> bool:
+    """Whether a checked sample's loss can show mixing: it has a gradient and is finite."""
+    return loss.requires_grad and bool(torch.isfinite(loss))
+
+
+def _other_rows(grad: torch.Tensor, sample: int) -> torch.Tensor:
+    """``grad`` without ``sample``'s row: the rows of the other samples."""
+    return torch.cat([grad[:sample], grad[sample + 1:]])
 
 
 def _watched_inputs(inputs: Inputs) -> tuple[Inputs, list[tuple[str, torch.Tensor]]]:
@@ -1167,7 +1185,8 @@ def _check_parameter_uses(losses: torch.Tensor, plan: ModelPlan, tape: _Tape) ->
     names.update({param: name for name, param in plan.plain})
     uses, calls_reached = _parameter_uses(losses.grad_fn, set(names))
     expected = {param: calls_reached[module] for module, rule in tape.rules for param in rule.params}
-    expected.update({param: 0 for _, param in plan.plain})  # a plain parameter reaches the loss through its stand-in alone
+    # a plain parameter reaches the loss through its stand-in alone
+    expected.update({param: 0 for _, param in plan.plain})
     for param, name in names.items():
         calls = expected.get(param, 0)
         if uses[param] != calls:
