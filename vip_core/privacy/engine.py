@@ -932,7 +932,7 @@ class _ModuleTree:
     did not."""
 
     def __init__(self, modules: list[tuple[str, nn.Module]]) -> None:
-        self.entries = [(name, weakref.ref(module), type(module), type(module).forward, _hook_state(module),
+        self.entries = [(name, weakref.ref(module), type(module), _class_forward(type(module)), _hook_state(module),
                          _forward_recogniser(module)) for name, module in modules]
         self.global_hooks = _global_hook_state()
 
@@ -943,7 +943,7 @@ class _ModuleTree:
                 modules, self.entries):
             if name != checked_name or checked_module() is not module or type(module) is not cls:
                 return False
-            if cls.forward is not cls_forward:
+            if _class_forward(cls) is not cls_forward:
                 return False
             forward = module.__dict__.get("forward")
             if _hook_state(module) != hooks or (forward is None) != (is_forward is None):
@@ -951,6 +951,12 @@ class _ModuleTree:
             if forward is not None and not is_forward(forward):
                 return False
         return True
+
+
+def _class_forward(cls: type) -> Any:
+    """The forward a module's class defines or inherits; None where the class cannot give it (a TorchScript module's
+    compiled forward)."""
+    return getattr(cls, "forward", None)
 
 
 _HOOK_TABLES = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")

@@ -1185,6 +1185,15 @@ def test_a_forward_set_on_a_modules_class_after_the_check_is_checked_afresh():
         _one_step(model, _supervised, inputs)
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:FutureWarning")
+def test_a_model_with_a_torchscript_submodule_is_checked_once():
+    """A scripted module's class gives no forward (its compiled forward is read through the instance)."""
+    model = nn.Sequential(nn.Linear(8, 8), torch.jit.script(nn.ReLU()), nn.Linear(8, 4))
+    for _ in range(2):
+        _one_step(model, _supervised, {"x": torch.randn(6, 8), "y": torch.randint(0, 4, (6,))})
+    assert all(p.grad is not None for p in model.parameters())
+
+
 def test_a_global_module_hook_registered_after_the_check_is_checked_afresh():
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
     inputs = {"x": torch.randn(6, 8), "y": torch.randint(0, 4, (6,))}
