@@ -514,9 +514,12 @@ def plan_model(model: nn.Module) -> ModelPlan:
         if factory is not None:
             layers.append((module_name, module, factory))
             continue
+        lists_its_own = _lists_its_own_parameters(module)
         for param_name, param in trainable.items():
             qualified = f"{module_name}.{param_name}" if module_name else param_name
             _check_plain(qualified, module_name, module, param)
+            if lists_its_own:
+                qualified = _registered_name(qualified, module_name, module, param)
             plain.append((qualified, param))
     if _lists_its_own_parameters(model):  # then model.parameters() is not what the walk above saw
         return ModelPlan(layers, plain, [p for p in model.parameters() if p.requires_grad])
@@ -532,6 +535,19 @@ def _own_trainable_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
         if param is not None and param.requires_grad and all(param is not seen for seen in trainable.values()):
             trainable[name] = param
     return trainable
+
+
+def _registered_name(listed: str, module_name: str, module: nn.Module, param: nn.Parameter) -> str:
+    """The qualified name under which ``module`` registers ``param`` itself: what its per-sample stand-in is swapped in
+    by. A class listing its own parameters may list one under another name (two names swapped would give each
+    stand-in's per-sample gradients to the other parameter) or one it does not register (no stand-in can reach it)."""
+    for name, registered in module._parameters.items():
+        if registered is param:
+            return f"{module_name}.{name}" if module_name else name
+    raise UnsupportedLayerError(
+        f"parameter '{listed}' is listed by {type(module).__name__}'s own named_parameters but is not one of its "
+        "registered parameters: it cannot be given one copy per sample, so it cannot be clipped per sample"
+    )
 
 
 def _lists_its_own_parameters(module: nn.Module) -> bool:

@@ -452,9 +452,37 @@ def test_a_parameter_only_a_models_own_named_parameters_lists_is_planned_and_ref
     from vip_core.privacy.engine import plan_model
 
     model = ListsAnUnregisteredParameter()
-    assert any(p is model.hidden[0] for p in plan_model(model).params)
+    with pytest.raises(UnsupportedLayerError, match="'x' is listed by ListsAnUnregisteredParameter's own"):
+        plan_model(model)
     with pytest.raises(UnsupportedLayerError, match="'x'"):
         engine_grads(model, lambda m, x: m(x).pow(2).sum(1), torch.randn(8, 4), 1.0)
+
+
+class ListsItsParametersUnderSwappedNames(nn.Module):
+    """A model whose named_parameters gives each of its two [1, 4] parameters the other's name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shift = nn.Parameter(torch.randn(1, 4))
+        self.scale = nn.Parameter(torch.randn(1, 4))
+
+    def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
+        yield f"{prefix}scale", self.shift
+        yield f"{prefix}shift", self.scale
+
+    def forward(self, x):  # x: [B, 4]
+        return (x + self.shift) * self.scale
+
+
+def test_a_models_parameters_listed_under_swapped_names_get_their_own_gradients():
+    """The stand-ins went in by the listed names: each parameter got the other's per-sample gradients."""
+    torch.manual_seed(0)
+    model, inputs = ListsItsParametersUnderSwappedNames(), torch.randn(6, 4)
+    loss_fn = lambda m, x: m(x).pow(2).sum(1)  # noqa: E731
+    expected = reference_clipped_sum(model, loss_fn, inputs, 1e6)
+    got = engine_grads(model, loss_fn, inputs, 1e6)
+    for e, g in zip(expected, got):
+        assert torch.allclose(g, e, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("start, stop, blocks", [
