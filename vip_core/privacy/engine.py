@@ -480,7 +480,7 @@ class ModelPlan:
     Attributes:
         layers: ``(qualified name, module, rule factory)`` for each hooked layer.
         plain: ``(qualified parameter name, parameter)`` for each plain parameter.
-        params: every trainable parameter, in ``model.named_parameters()`` order.
+        params: every trainable parameter, in the order of the walk (``model.named_parameters()``'s).
     """
 
     layers: list[tuple[str, nn.Module, Callable[[str, nn.Module], Rule]]]
@@ -490,6 +490,10 @@ class ModelPlan:
 
 def plan_model(model: nn.Module) -> ModelPlan:
     """Assigns every trainable parameter of ``model`` to a rule, or raises naming what cannot be handled.
+
+    Each module's parameters are read from its own table (``module._parameters``), which is where a plain parameter's
+    per-sample stand-in is swapped in by name (and must lead there). The model's ``named_parameters()`` and
+    ``parameters()`` (what an optimiser is built from) must each list exactly the trainable parameters planned.
 
     Raises:
         UnsupportedLayerError: for a layer or parameter the engine cannot clip per sample.
@@ -514,46 +518,65 @@ def plan_model(model: nn.Module) -> ModelPlan:
         if factory is not None:
             layers.append((module_name, module, factory))
             continue
-        lists_its_own = _lists_its_own_parameters(module)
         for param_name, param in trainable.items():
             qualified = f"{module_name}.{param_name}" if module_name else param_name
             _check_plain(qualified, module_name, module, param)
-            if lists_its_own:
-                qualified = _registered_name(qualified, module_name, module, param)
+            _check_reached_by_name(model, qualified, param)
             plain.append((qualified, param))
-    if _lists_its_own_parameters(model):  # then model.parameters() is not what the walk above saw
-        return ModelPlan(layers, plain, [p for p in model.parameters() if p.requires_grad])
+    _check_listed_parameters(model, owners)
     return ModelPlan(layers, plain, list(owners))
 
 
 def _own_trainable_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
-    """``module.named_parameters(recurse=False)``'s trainable ones, read from the module's own table unless its class
-    lists its parameters itself (a tenth of the host time: the plan is made every step)."""
-    items = module.named_parameters(recurse=False) if _lists_its_own_parameters(module) else module._parameters.items()
+    """The trainable parameters of ``module``'s own table, each once (under its first name)."""
     trainable: dict[str, nn.Parameter] = {}
-    for name, param in items:
+    for name, param in module._parameters.items():
         if param is not None and param.requires_grad and all(param is not seen for seen in trainable.values()):
             trainable[name] = param
     return trainable
 
 
-def _registered_name(listed: str, module_name: str, module: nn.Module, param: nn.Parameter) -> str:
-    """The qualified name under which ``module`` registers ``param`` itself: what its per-sample stand-in is swapped in
-    by. A class listing its own parameters may list one under another name (two names swapped would give each
-    stand-in's per-sample gradients to the other parameter) or one it does not register (no stand-in can reach it)."""
-    for name, registered in module._parameters.items():
-        if registered is param:
-            return f"{module_name}.{name}" if module_name else name
-    raise UnsupportedLayerError(
-        f"parameter '{listed}' is listed by {type(module).__name__}'s own named_parameters but is not one of its "
-        "registered parameters: it cannot be given one copy per sample, so it cannot be clipped per sample"
-    )
+def _check_reached_by_name(model: nn.Module, qualified: str, param: nn.Parameter) -> None:
+    """Refuses a plain parameter that its qualified name does not lead to the way its stand-in is swapped in
+    (``functional_call``: ``getattr`` along the path, then the module's own table): a class whose ``named_modules``
+    gave two modules each other's names had each stand-in's per-sample gradients given to the other parameter."""
+    *path, last = qualified.split(".")
+    owner: Any = model
+    for part in path:
+        owner = getattr(owner, part, None)
+    if not isinstance(owner, nn.Module) or last not in owner._parameters or owner._parameters[last] is not param:
+        raise UnsupportedLayerError(
+            f"plain parameter '{qualified}' is not the model's attribute of that name (a class listing its modules "
+            "or parameters under other names): its per-sample copy could not be swapped in by name"
+        )
 
 
-def _lists_its_own_parameters(module: nn.Module) -> bool:
-    """Whether ``module``'s class overrides ``named_parameters`` or ``parameters`` (which may then add or hide some)."""
-    cls = type(module)
-    return cls.named_parameters is not nn.Module.named_parameters or cls.parameters is not nn.Module.parameters
+def _check_listed_parameters(model: nn.Module, owners: dict[nn.Parameter, str]) -> None:
+    """Refuses a model whose ``named_parameters()`` or ``parameters()`` lists a trainable parameter the walk of its
+    modules did not plan (an optimiser would train it unclipped and un-noised, with whatever gradient it holds), or
+    leaves out one that it planned (its gradient would count in every sample's norm, and it would never be trained).
+    A class or instance overriding how it lists its parameters or modules can make them differ; ``parameters()`` is
+    walked again only where it is not the stock one (which lists ``named_parameters()``'s)."""
+    named = list(model.named_parameters())
+    listings = {"named_parameters()": [param for _, param in named]}
+    if type(model).parameters is not nn.Module.parameters or "parameters" in vars(model):
+        listings["parameters()"] = list(model.parameters())
+    names = {param: name for name, param in named}
+    for listing, params in listings.items():
+        trainable = {param: None for param in params if param.requires_grad}
+        for param in trainable:
+            if param not in owners:
+                name = names.get(param, f"(unnamed) {list(param.shape)}")
+                raise UnsupportedLayerError(
+                    f"parameter '{name}' is listed by the model's {listing} but not reached by the walk of its modules' "
+                    "own tables: it cannot be clipped per sample"
+                )
+        for param, name in owners.items():
+            if param not in trainable:
+                raise UnsupportedLayerError(
+                    f"parameter '{name}' is left out of the model's {listing}: an optimiser would not train it while "
+                    "its gradient counted in every sample's norm (set requires_grad=False to freeze it)"
+                )
 
 
 def _reject_batch_norm(name: str, module: nn.Module) -> None:

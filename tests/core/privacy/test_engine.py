@@ -432,43 +432,58 @@ def test_a_parameter_that_is_not_float32_on_a_device_that_draws_its_own_noise_le
 
 
 class ListsAnUnregisteredParameter(nn.Sequential):
-    """A model whose named_parameters adds a parameter that no module registers: the optimiser trains it."""
+    """A model whose named_parameters adds a parameter that no module registers (only when it recurses, with
+    ``only_recursing``): the optimiser trains it."""
 
-    def __init__(self) -> None:
+    def __init__(self, only_recursing: bool = False) -> None:
         super().__init__(nn.Linear(4, 4))
         self.hidden = [nn.Parameter(torch.zeros(1, 4))]
+        self.only_recursing = only_recursing
 
     def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
         yield from super().named_parameters(prefix, recurse, remove_duplicate)
-        yield "x", self.hidden[0]
+        if recurse or not self.only_recursing:
+            yield "x", self.hidden[0]
 
     def forward(self, x):
         return super().forward(x + self.hidden[0])
 
 
-def test_a_parameter_only_a_models_own_named_parameters_lists_is_planned_and_refused_unused():
-    """The review's case: read from the modules' tables alone, the extra parameter escaped the plan (no clipping, no
-    noise, its stale gradient kept) while the optimiser trained it."""
+@pytest.mark.parametrize("only_recursing", [False, True])
+def test_a_parameter_only_a_models_own_named_parameters_lists_is_refused_when_planned(only_recursing):
+    """The third review's case: read from the modules' tables alone, the extra parameter escaped the plan (no clipping,
+    no noise, its stale gradient kept) while the optimiser trained it; listed only when recursing, it was later
+    planned from ``model.parameters()`` and trained on noise alone."""
     from vip_core.privacy.engine import plan_model
 
-    model = ListsAnUnregisteredParameter()
-    with pytest.raises(UnsupportedLayerError, match="'x' is listed by ListsAnUnregisteredParameter's own"):
+    model = ListsAnUnregisteredParameter(only_recursing)
+    with pytest.raises(UnsupportedLayerError, match="'x' is listed by the model's named_parameters\(\) but not reached"):
         plan_model(model)
     with pytest.raises(UnsupportedLayerError, match="'x'"):
         engine_grads(model, lambda m, x: m(x).pow(2).sum(1), torch.randn(8, 4), 1.0)
 
 
-class ListsItsParametersUnderSwappedNames(nn.Module):
-    """A model whose named_parameters gives each of its two [1, 4] parameters the other's name."""
-
+class ScalesByAToken(nn.Module):
     def __init__(self) -> None:
+        super().__init__()
+        self.token = nn.Parameter(torch.randn(1, 4))
+
+    def forward(self, x):  # x: [B, 4]
+        return x * self.token
+
+
+class TwoTokens(nn.Module):
+    """Two [1, 4] parameters used differently; ``listing`` (a list of names) is what named_parameters gives them."""
+
+    def __init__(self, listing: list[str]) -> None:
         super().__init__()
         self.shift = nn.Parameter(torch.randn(1, 4))
         self.scale = nn.Parameter(torch.randn(1, 4))
+        self.listing = listing
 
     def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
-        yield f"{prefix}scale", self.shift
-        yield f"{prefix}shift", self.scale
+        for name in self.listing:
+            yield f"{prefix}{name}", getattr(self, {"scale": "shift", "shift": "scale"}.get(name, name))
 
     def forward(self, x):  # x: [B, 4]
         return (x + self.shift) * self.scale
@@ -477,12 +492,112 @@ class ListsItsParametersUnderSwappedNames(nn.Module):
 def test_a_models_parameters_listed_under_swapped_names_get_their_own_gradients():
     """The stand-ins went in by the listed names: each parameter got the other's per-sample gradients."""
     torch.manual_seed(0)
-    model, inputs = ListsItsParametersUnderSwappedNames(), torch.randn(6, 4)
+    model, inputs = TwoTokens(["scale", "shift"]), torch.randn(6, 4)
     loss_fn = lambda m, x: m(x).pow(2).sum(1)  # noqa: E731
     expected = reference_clipped_sum(model, loss_fn, inputs, 1e6)
     got = engine_grads(model, loss_fn, inputs, 1e6)
     for e, g in zip(expected, got):
         assert torch.allclose(g, e, rtol=1e-5, atol=1e-6)
+
+
+def test_a_parameter_a_model_lists_twice_gets_its_clipped_sum_and_noise_once():
+    """Planned from the listing, the repeated parameter's gradient came out exactly zero, its sum and noise lost."""
+    torch.manual_seed(0)
+    once, inputs = TwoTokens(["scale", "shift"]), torch.randn(6, 4)
+    twice = copy.deepcopy(once)
+    twice.listing = ["scale", "shift", "scale"]  # shift, scale, shift
+    loss_fn = lambda m, x: m(x).pow(2).sum(1)  # noqa: E731
+    expected = reference_clipped_sum(once, loss_fn, inputs, 0.5)  # shift, scale
+    engine_grads(twice, loss_fn, inputs, 0.5)
+    for param, e in zip([twice.shift, twice.scale], expected):
+        assert torch.allclose(param.grad.double(), e, rtol=1e-5, atol=1e-6)
+    privatized_gradients(twice, loss_fn, inputs, max_grad_norm=0.5, noise_multiplier=1.0, expected_batch_size=1.0,
+                         noise=RandomStream(1, 0, "noise"))
+    assert float((twice.shift.grad - expected[0].float()).abs().min()) > 0  # noised, every coordinate
+
+
+def test_a_parameter_a_model_leaves_out_of_its_listing_is_refused_by_name():
+    with pytest.raises(UnsupportedLayerError, match=r"'scale' is left out of the model's named_parameters\(\)"):
+        engine_grads(TwoTokens(["scale"]), lambda m, x: m(x).pow(2).sum(1), torch.randn(6, 4), 1.0)
+
+
+class LeavesOutOfParameters(TwoTokens):
+    """named_parameters lists both tokens; parameters(), what a torch optimiser is built from, only one."""
+
+    def parameters(self, recurse=True):
+        yield self.shift
+
+
+def test_a_parameter_that_parameters_alone_leaves_out_is_refused_by_name():
+    with pytest.raises(UnsupportedLayerError, match=r"'scale' is left out of the model's parameters\(\)"):
+        engine_grads(LeavesOutOfParameters(["shift", "scale"]), lambda m, x: m(x).pow(2).sum(1), torch.randn(6, 4), 1.0)
+
+
+class HidesFromTheWalk(ScalesByAToken):
+    """A token whose named_modules hides it from a walk that keeps duplicates, and lists it otherwise (as
+    named_parameters and parameters walk)."""
+
+    def named_modules(self, memo=None, prefix="", remove_duplicate=True):
+        if remove_duplicate:
+            yield from super().named_modules(memo, prefix, remove_duplicate)
+
+
+def _listing_an_extra_parameter_on_the_instance() -> nn.Module:
+    model = nn.Sequential(nn.Linear(4, 4))
+    extra = nn.Parameter(torch.zeros(1, 4))
+    model.named_parameters = lambda prefix="", recurse=True, remove_duplicate=True: iter(
+        [*nn.Module.named_parameters(model, prefix, recurse, remove_duplicate), ("x", extra)])
+    return model
+
+
+@pytest.mark.parametrize("make, listed", [
+    (lambda: nn.Sequential(HidesFromTheWalk(), nn.Linear(4, 3)), "0.token"),
+    (_listing_an_extra_parameter_on_the_instance, "x"),
+])
+def test_a_parameter_listed_but_never_reached_by_the_walk_is_refused_by_name(make, listed):
+    """The second review's models: checked only where a class on the walk overrode a listing, they were planned
+    without the parameter, and an optimiser built from ``model.parameters()`` applied its stale gradient (from a
+    non-private backward) unclipped and un-noised at every step."""
+    with pytest.raises(UnsupportedLayerError, match=f"'{listed}' is listed by the model's named_parameters"):
+        engine_grads(make(), lambda m, x: m(x).pow(2).sum(1), torch.randn(6, 4), 1.0)
+
+
+class Shifts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.t = nn.Parameter(torch.randn(1, 4))
+
+
+class AddsItsShift(Shifts):
+    def forward(self, x):
+        return x + self.t
+
+
+class ScalesByItsShift(Shifts):
+    def forward(self, x):
+        return x * self.t
+
+
+class NamesItsChildrenSwapped(nn.Module):
+    """A model whose named_modules gives its two children each other's names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add, self.scale = AddsItsShift(), ScalesByItsShift()
+
+    def named_modules(self, memo=None, prefix="", remove_duplicate=True):
+        swapped = {f"{prefix}add": f"{prefix}scale", f"{prefix}scale": f"{prefix}add"}
+        for name, module in super().named_modules(memo, prefix, remove_duplicate):
+            yield swapped.get(name, name), module
+
+    def forward(self, x):
+        return self.scale(self.add(x))
+
+
+def test_a_plain_parameter_its_name_does_not_lead_to_is_refused_by_name():
+    """The stand-ins went in by the walk's names: each child's token got the other's per-sample gradients."""
+    with pytest.raises(UnsupportedLayerError, match="plain parameter 'scale.t' is not the model's attribute"):
+        engine_grads(NamesItsChildrenSwapped(), lambda m, x: m(x).pow(2).sum(1), torch.randn(6, 4), 1.0)
 
 
 @pytest.mark.parametrize("start, stop, blocks", [
@@ -1220,6 +1335,14 @@ def test_a_model_with_a_torchscript_submodule_is_checked_once():
     for _ in range(2):
         _one_step(model, _supervised, {"x": torch.randn(6, 8), "y": torch.randint(0, 4, (6,))})
     assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:FutureWarning")
+def test_a_torchscript_submodules_plain_parameter_gets_its_own_clipped_sum():
+    """A scripted module's parameter table has no ``get``: looking the stand-in's name up crashed the step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), torch.jit.script(ScalesByAToken()), nn.Linear(4, 3))
+    assert_matches_reference(model, lambda m, x: m(x).pow(2).sum(1), torch.randn(6, 4), 0.5)
 
 
 def test_a_global_module_hook_registered_after_the_check_is_checked_afresh():
