@@ -167,8 +167,8 @@ class ClippedGradientSum:
                           "clipped sums stay IEEE float32", stacklevel=2)
         if noise_multiplier > 0 and noise is None:
             raise ValueError("noise_multiplier > 0 needs a noise stream (a RandomStream), never a default generator")
-        for param in self.plan.params:
-            param.grad = None  # the previous step's gradients are dead weight from here on
+        for param in (*self.plan.params, *self.plan.frozen):
+            param.grad = None  # the previous step's gradients are dead weight, and a frozen one's would be applied
         self.sums: Sums = {}
         self.totals = _Totals()
         draw = GaussianDraw(noise, noise_multiplier * max_grad_norm) if noise_multiplier > 0 else None
@@ -481,19 +481,23 @@ class ModelPlan:
         layers: ``(qualified name, module, rule factory)`` for each hooked layer.
         plain: ``(qualified parameter name, parameter)`` for each plain parameter.
         params: every trainable parameter, in the order of the walk (``model.named_parameters()``'s).
+        frozen: the parameters the model lists that are not trainable (their gradients are dropped each step).
     """
 
     layers: list[tuple[str, nn.Module, Callable[[str, nn.Module], Rule]]]
     plain: list[tuple[str, nn.Parameter]]
     params: list[nn.Parameter]
+    frozen: list[nn.Parameter]
 
 
 def plan_model(model: nn.Module) -> ModelPlan:
     """Assigns every trainable parameter of ``model`` to a rule, or raises naming what cannot be handled.
 
     Each module's parameters are read from its own table (``module._parameters``), which is where a plain parameter's
-    per-sample stand-in is swapped in by name (and must lead there). The model's ``named_parameters()`` and
-    ``parameters()`` (what an optimiser is built from) must each list exactly the trainable parameters planned.
+    per-sample stand-in is swapped in by name (and must lead there). Where the model or a module in it overrides how it
+    lists its parameters or modules, the model's ``named_parameters()`` and ``parameters()`` (what an optimiser is built
+    from) must each list exactly the trainable parameters planned, and such a module no other trainable one; where
+    none does, the stock listings are the walk's by construction.
 
     Raises:
         UnsupportedLayerError: for a layer or parameter the engine cannot clip per sample.
@@ -501,8 +505,18 @@ def plan_model(model: nn.Module) -> ModelPlan:
     layers: list[tuple[str, nn.Module, Callable[[str, nn.Module], Rule]]] = []
     plain: list[tuple[str, nn.Parameter]] = []
     owners: dict[nn.Parameter, str] = {}  # every trainable parameter, in model.parameters() order
+    frozen: dict[nn.Parameter, None] = {}  # the parameters that are not trainable, whose gradients are dropped
+    # the modules overriding how they list parameters or modules: each is looked at in its parent's table, where one
+    # hiding itself from the walk is still found
+    listing_their_own = [("", model)] if _lists_its_own_members(model) else []
     for module_name, module in model.named_modules(remove_duplicate=False):
         _reject_batch_norm(module_name, module)
+        for child_name, child in module._modules.items():
+            if child is not None and _lists_its_own_members(child):
+                listing_their_own.append((f"{module_name}.{child_name}" if module_name else child_name, child))
+        for param in module._parameters.values():
+            if param is not None and not param.requires_grad:
+                frozen[param] = None
         trainable = _own_trainable_parameters(module)
         for param_name, param in trainable.items():
             qualified = f"{module_name}.{param_name}" if module_name else param_name
@@ -523,8 +537,9 @@ def plan_model(model: nn.Module) -> ModelPlan:
             _check_plain(qualified, module_name, module, param)
             _check_reached_by_name(model, qualified, param)
             plain.append((qualified, param))
-    _check_listed_parameters(model, owners)
-    return ModelPlan(layers, plain, list(owners))
+    if listing_their_own:
+        frozen.update(dict.fromkeys(_check_listed_parameters(model, owners, listing_their_own)))
+    return ModelPlan(layers, plain, list(owners), list(frozen))
 
 
 def _own_trainable_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
@@ -551,32 +566,49 @@ def _check_reached_by_name(model: nn.Module, qualified: str, param: nn.Parameter
         )
 
 
-def _check_listed_parameters(model: nn.Module, owners: dict[nn.Parameter, str]) -> None:
+_LISTINGS = frozenset({"named_parameters", "parameters", "named_modules", "_named_members"})
+
+
+def _lists_its_own_members(module: nn.Module) -> bool:
+    """Whether ``module``'s class or the instance itself overrides how it lists its parameters or modules (or how its
+    attributes are read)."""
+    cls = type(module)
+    return (cls.named_parameters is not nn.Module.named_parameters or cls.parameters is not nn.Module.parameters
+            or cls.named_modules is not nn.Module.named_modules or cls._named_members is not nn.Module._named_members
+            or cls.__getattribute__ is not nn.Module.__getattribute__ or not _LISTINGS.isdisjoint(vars(module)))
+
+
+def _check_listed_parameters(model: nn.Module, owners: dict[nn.Parameter, str],
+                             listing_their_own: list[tuple[str, nn.Module]]) -> list[nn.Parameter]:
     """Refuses a model whose ``named_parameters()`` or ``parameters()`` lists a trainable parameter the walk of its
     modules did not plan (an optimiser would train it unclipped and un-noised, with whatever gradient it holds), or
-    leaves out one that it planned (its gradient would count in every sample's norm, and it would never be trained).
-    A class or instance overriding how it lists its parameters or modules can make them differ; ``parameters()`` is
-    walked again only where it is not the stock one (which lists ``named_parameters()``'s)."""
+    leaves out one that it planned (its gradient would count in every sample's norm, and it would never be trained);
+    and a module overriding how it lists its parameters or modules (an optimiser's group may be built from it) that
+    lists a trainable parameter the walk did not plan. Returns the frozen parameters the model lists."""
     named = list(model.named_parameters())
-    listings = {"named_parameters()": [param for _, param in named]}
-    if type(model).parameters is not nn.Module.parameters or "parameters" in vars(model):
-        listings["parameters()"] = list(model.parameters())
     names = {param: name for name, param in named}
+    listings = {"the model's named_parameters()": [param for _, param in named],
+                "the model's parameters()": list(model.parameters())}
+    for module_name, module in listing_their_own:
+        listings[f"'{module_name}' ({type(module).__name__})"] = [*(p for _, p in module.named_parameters()),
+                                                                  *module.parameters()]
     for listing, params in listings.items():
-        trainable = {param: None for param in params if param.requires_grad}
-        for param in trainable:
-            if param not in owners:
+        for param in params:
+            if param.requires_grad and param not in owners:
                 name = names.get(param, f"(unnamed) {list(param.shape)}")
                 raise UnsupportedLayerError(
-                    f"parameter '{name}' is listed by the model's {listing} but not reached by the walk of its modules' "
-                    "own tables: it cannot be clipped per sample"
+                    f"parameter '{name}' is listed by {listing} but not reached by the walk of its modules' own "
+                    "tables: it cannot be clipped per sample"
                 )
+    for listing in ("the model's named_parameters()", "the model's parameters()"):
+        trainable = {param for param in listings[listing] if param.requires_grad}
         for param, name in owners.items():
             if param not in trainable:
                 raise UnsupportedLayerError(
-                    f"parameter '{name}' is left out of the model's {listing}: an optimiser would not train it while "
-                    "its gradient counted in every sample's norm (set requires_grad=False to freeze it)"
+                    f"parameter '{name}' is left out of {listing}: an optimiser would not train it while its "
+                    "gradient counted in every sample's norm (set requires_grad=False to freeze it)"
                 )
+    return list({param: None for listing in listings.values() for param in listing if not param.requires_grad})
 
 
 def _reject_batch_norm(name: str, module: nn.Module) -> None:

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from vip_core.privacy.engine import ClippedGradientSum, Inputs, split_batch
+from vip_core.privacy.engine import ClippedGradientSum, Inputs, UnsupportedLayerError, split_batch
 from vip_core.privacy.ledger import PrivacyLedger
 from vip_core.privacy.optimizer import dp_adamw, set_learning_rate
 from vip_core.privacy.plan import PrivacyPlan
@@ -216,6 +216,7 @@ class PrivateStep(TrainingStep):
                                      tensor_core_sums=self.plan.tensor_core_sums)
         clipped.add(loss_fn, inputs, physical_batch_size=self.physical_batch_size)
         stats = clipped.privatize(expected_batch_size=self.plan.batch_size)
+        _check_optimised_privately(self.optimizer, clipped.plan.params, self.model)
         all_reduce_gradients(clipped.plan.params)  # the trainable parameters
         return all_reduce_sum(stats.loss_sum), all_reduce_sum(stats.examples)
 
@@ -285,3 +286,22 @@ class PlainStep(TrainingStep):
             if param.grad is not None:
                 param.grad.div_(max(count, 1.0))
         return all_reduce_sum(loss_sum), count
+
+
+def _check_optimised_privately(optimizer: torch.optim.Optimizer, privatized: list[nn.Parameter],
+                               model: nn.Module) -> None:
+    """Every tensor the optimiser updates must hold the privatized gradient: a trainable one the engine did not privatize
+    (one a listing gave the optimiser and not the engine) is refused by name, and a frozen one's gradient (left by a
+    non-private backward) is dropped, since AdamW would apply it."""
+    planned = set(privatized)
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param in planned:
+                continue
+            if param.requires_grad:
+                name = next((n for n, p in model.named_parameters() if p is param), f"(unnamed) {list(param.shape)}")
+                raise UnsupportedLayerError(
+                    f"the optimiser holds parameter '{name}', which the DP engine did not privatize: it would be "
+                    "trained unclipped and un-noised"
+                )
+            param.grad = None

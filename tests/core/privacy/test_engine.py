@@ -550,16 +550,57 @@ def _listing_an_extra_parameter_on_the_instance() -> nn.Module:
     return model
 
 
+class ListsAnExtraWhenAskedToRecurse(nn.Sequential):
+    """A root listing an unregistered parameter only when ``recurse`` is passed by keyword, as ``parameters()`` does."""
+
+    def __init__(self) -> None:
+        super().__init__(nn.Linear(4, 4))
+        self.hidden = [nn.Parameter(torch.zeros(1, 4))]
+
+    def named_parameters(self, prefix="", *args, **kwargs):
+        yield from super().named_parameters(prefix, *args, **kwargs)
+        if "recurse" in kwargs:
+            yield "x", self.hidden[0]
+
+
+class EncoderListingAnExtra(nn.Module):
+    """A submodule whose own listing (what an optimiser group built from it holds) adds an unregistered parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.hidden = [nn.Parameter(torch.zeros(1, 4))]
+
+    def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
+        yield from super().named_parameters(prefix, recurse, remove_duplicate)
+        yield f"{prefix}extra", self.hidden[0]
+
+    def forward(self, x):
+        return self.lin(x + self.hidden[0])
+
+
 @pytest.mark.parametrize("make, listed", [
-    (lambda: nn.Sequential(HidesFromTheWalk(), nn.Linear(4, 3)), "0.token"),
-    (_listing_an_extra_parameter_on_the_instance, "x"),
+    (lambda: nn.Sequential(HidesFromTheWalk(), nn.Linear(4, 3)), "'0.token' is listed by the model's named_parameters"),
+    (_listing_an_extra_parameter_on_the_instance, "'x' is listed by the model's named_parameters"),
+    (ListsAnExtraWhenAskedToRecurse, r"'\(unnamed\) \[1, 4\]' is listed by the model's parameters\(\)"),
+    (lambda: nn.Sequential(EncoderListingAnExtra(), nn.Linear(4, 3)), r"'\(unnamed\) \[1, 4\]' is listed by '0'"),
 ])
 def test_a_parameter_listed_but_never_reached_by_the_walk_is_refused_by_name(make, listed):
-    """The second review's models: checked only where a class on the walk overrode a listing, they were planned
-    without the parameter, and an optimiser built from ``model.parameters()`` applied its stale gradient (from a
-    non-private backward) unclipped and un-noised at every step."""
-    with pytest.raises(UnsupportedLayerError, match=f"'{listed}' is listed by the model's named_parameters"):
+    """The second and third reviews' models: checked only where a class on the walk overrode a listing (or not where
+    a submodule did, or not ``parameters()`` when stock), they were planned without the parameter, and an optimiser
+    built from that listing applied its stale gradient (from a non-private backward) unclipped and un-noised."""
+    with pytest.raises(UnsupportedLayerError, match=listed):
         engine_grads(make(), lambda m, x: m(x).pow(2).sum(1), torch.randn(6, 4), 1.0)
+
+
+def test_a_frozen_parameters_stale_gradient_is_dropped():
+    """A gradient left by a non-private backward before the freeze: AdamW applies any gradient it finds."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3))
+    inputs = torch.randn(6, 4)
+    model(inputs).sum().backward()
+    model[0].weight.requires_grad_(False)
+    engine_grads(model, lambda m, x: m(x).pow(2).sum(1), inputs, 1.0)
+    assert model[0].weight.grad is None and model[0].bias.grad is not None
 
 
 class Shifts(nn.Module):

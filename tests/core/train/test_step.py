@@ -14,6 +14,7 @@ from vip_core.models.mae import build_mae
 from vip_core.privacy.accounting import compute_epsilon
 from vip_core.train.loop import run_steps
 from vip_core.train.schedule import Schedule
+from vip_core.privacy.engine import UnsupportedLayerError
 from vip_core.train.step import PlainStep, PrivateStep
 
 
@@ -74,3 +75,31 @@ def test_the_plain_step_follows_the_mean_gradient_and_is_deterministic_for_its_s
         return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
     assert torch.equal(run(), run())
+
+
+def test_a_parameter_the_optimiser_holds_and_the_engine_did_not_privatize_is_refused_before_it_is_trained(regression):
+    """A listing that changes between calls gave the optimiser a parameter the engine never saw: AdamW applied the
+    stale gradient it held (from a non-private backward), unclipped and un-noised."""
+    plan = regression.plan(100.0)
+    torch.manual_seed(0)
+    model = nn.Linear(6, 1)
+    extra = nn.Parameter(torch.zeros(1))
+    extra.grad = torch.ones(1)  # a stale, non-private gradient
+    groups = [{"params": [model.weight, model.bias, extra], "weight_decay": 0.0}]
+    step = PrivateStep(model, plan, Schedule(peak_lr=0.1, total_steps=plan.steps), physical_batch_size=4,
+                       param_groups=groups)
+    with pytest.raises(UnsupportedLayerError, match=r"optimiser holds parameter '\(unnamed\) \[1\]'"):
+        run_steps(step, regression.batch, regression.loss, until=1)
+    assert float(extra.detach()) == 0.0
+
+
+def test_a_frozen_parameter_the_optimiser_holds_keeps_its_value(regression):
+    """Frozen after a non-private backward, with the optimiser built before: its stale gradient was applied."""
+    plan = regression.plan(100.0)
+    step = regression.step(plan)
+    model = step.model
+    regression.loss(model, torch.arange(8)).sum().backward()
+    model.bias.requires_grad_(False)
+    frozen = model.bias.detach().clone()
+    run_steps(step, regression.batch, regression.loss, until=2)
+    assert torch.equal(model.bias.detach(), frozen)
