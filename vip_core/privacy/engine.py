@@ -505,7 +505,7 @@ def plan_model(model: nn.Module) -> ModelPlan:
     layers: list[tuple[str, nn.Module, Callable[[str, nn.Module], Rule]]] = []
     plain: list[tuple[str, nn.Parameter]] = []
     owners: dict[nn.Parameter, str] = {}  # every trainable parameter, in model.parameters() order
-    frozen: dict[nn.Parameter, None] = {}  # the parameters that are not trainable, whose gradients are dropped
+    frozen: dict[int, nn.Parameter] = {}  # the parameters that are not trainable (by id), whose gradients are dropped
     # the modules overriding how they list parameters or modules: each is looked at in its parent's table, where one
     # hiding itself from the walk is still found
     listing_their_own = [("", model)] if _lists_its_own_members(model) else []
@@ -516,10 +516,11 @@ def plan_model(model: nn.Module) -> ModelPlan:
                 listing_their_own.append((f"{module_name}.{child_name}" if module_name else child_name, child))
         for param in module._parameters.values():
             if param is not None and not param.requires_grad:
-                frozen[param] = None
+                frozen[id(param)] = param
         trainable = _own_trainable_parameters(module)
         for param_name, param in trainable.items():
             qualified = f"{module_name}.{param_name}" if module_name else param_name
+            _check_tracked_by_identity(qualified, param)
             if param in owners:
                 raise UnsupportedLayerError(
                     f"parameter '{qualified}' is the same tensor as '{owners[param]}': shared (tied) "
@@ -538,8 +539,19 @@ def plan_model(model: nn.Module) -> ModelPlan:
             _check_reached_by_name(model, qualified, param)
             plain.append((qualified, param))
     if listing_their_own:
-        frozen.update(dict.fromkeys(_check_listed_parameters(model, owners, listing_their_own)))
-    return ModelPlan(layers, plain, list(owners), list(frozen))
+        frozen.update((id(param), param) for param in _check_listed_parameters(model, owners, listing_their_own))
+    return ModelPlan(layers, plain, list(owners), list(frozen.values()))
+
+
+def _check_tracked_by_identity(qualified: str, param: nn.Parameter) -> None:
+    """Refuses a parameter whose type hashes or compares by something other than identity: the engine keys each
+    parameter's sums, noise and checks by the parameter, and two such parameters of equal values would share them."""
+    kind = type(param)
+    if kind.__hash__ is not torch.Tensor.__hash__ or kind.__eq__ is not torch.Tensor.__eq__:
+        raise UnsupportedLayerError(
+            f"parameter '{qualified}' is a {kind.__name__} with a hash or equality of its own: the engine tells "
+            "parameters apart by identity"
+        )
 
 
 def _own_trainable_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
@@ -571,11 +583,12 @@ _LISTINGS = frozenset({"named_parameters", "parameters", "named_modules", "_name
 
 def _lists_its_own_members(module: nn.Module) -> bool:
     """Whether ``module``'s class or the instance itself overrides how it lists its parameters or modules (or how its
-    attributes are read)."""
+    attributes are read, or its class has a metaclass of its own)."""
     cls = type(module)
     return (cls.named_parameters is not nn.Module.named_parameters or cls.parameters is not nn.Module.parameters
             or cls.named_modules is not nn.Module.named_modules or cls._named_members is not nn.Module._named_members
-            or cls.__getattribute__ is not nn.Module.__getattribute__ or not _LISTINGS.isdisjoint(vars(module)))
+            or cls.__getattribute__ is not nn.Module.__getattribute__ or type(cls) is not type
+            or not _LISTINGS.isdisjoint(vars(module)))
 
 
 def _check_listed_parameters(model: nn.Module, owners: dict[nn.Parameter, str],
@@ -584,9 +597,11 @@ def _check_listed_parameters(model: nn.Module, owners: dict[nn.Parameter, str],
     modules did not plan (an optimiser would train it unclipped and un-noised, with whatever gradient it holds), or
     leaves out one that it planned (its gradient would count in every sample's norm, and it would never be trained);
     and a module overriding how it lists its parameters or modules (an optimiser's group may be built from it) that
-    lists a trainable parameter the walk did not plan. Returns the frozen parameters the model lists."""
+    lists a trainable parameter the walk did not plan. Parameters are compared by identity. Returns the frozen
+    parameters the listings give."""
+    planned = {id(param) for param in owners}
     named = list(model.named_parameters())
-    names = {param: name for name, param in named}
+    names = {id(param): name for name, param in named}
     listings = {"the model's named_parameters()": [param for _, param in named],
                 "the model's parameters()": list(model.parameters())}
     for module_name, module in listing_their_own:
@@ -594,21 +609,21 @@ def _check_listed_parameters(model: nn.Module, owners: dict[nn.Parameter, str],
                                                                   *module.parameters()]
     for listing, params in listings.items():
         for param in params:
-            if param.requires_grad and param not in owners:
-                name = names.get(param, f"(unnamed) {list(param.shape)}")
+            if param.requires_grad and id(param) not in planned:
+                name = names.get(id(param), f"(unnamed) {list(param.shape)}")
                 raise UnsupportedLayerError(
                     f"parameter '{name}' is listed by {listing} but not reached by the walk of its modules' own "
                     "tables: it cannot be clipped per sample"
                 )
     for listing in ("the model's named_parameters()", "the model's parameters()"):
-        trainable = {param for param in listings[listing] if param.requires_grad}
+        listed = {id(param) for param in listings[listing] if param.requires_grad}
         for param, name in owners.items():
-            if param not in trainable:
+            if id(param) not in listed:
                 raise UnsupportedLayerError(
                     f"parameter '{name}' is left out of {listing}: an optimiser would not train it while its "
                     "gradient counted in every sample's norm (set requires_grad=False to freeze it)"
                 )
-    return list({param: None for listing in listings.values() for param in listing if not param.requires_grad})
+    return [param for params in listings.values() for param in params if not param.requires_grad]
 
 
 def _reject_batch_norm(name: str, module: nn.Module) -> None:

@@ -143,6 +143,7 @@ class TrainingStep(abc.ABC):
         if observe is not None:
             observe(self.model)
         with record_function("vip.optimizer"):
+            self._check_optimiser()
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.taken += 1
@@ -153,6 +154,9 @@ class TrainingStep(abc.ABC):
     @abc.abstractmethod
     def _gradients(self, inputs: Inputs, loss_fn: LossFn) -> tuple[float, float]:
         """Sets ``.grad`` of every trainable parameter; returns the (all-reduced) loss sum and example count."""
+
+    def _check_optimiser(self) -> None:
+        """Right before the optimiser steps: refuses what it must not update (nothing, without privacy)."""
 
     def _account(self) -> float | None:
         return None
@@ -199,6 +203,7 @@ class PrivateStep(TrainingStep):
                          sample_rate=plan.sample_rate, physical_batch_size=physical_batch_size, betas=betas,
                          weight_decay=weight_decay, param_groups=param_groups)
         self.plan = plan
+        self.privatized: list[nn.Parameter] = []  # the parameters whose gradients the last step privatized
         self.ledger = plan.ledger(earlier_runs)
         self.noise_multiplier = rank_noise_multiplier(plan.noise_multiplier, self.rank)
 
@@ -216,9 +221,12 @@ class PrivateStep(TrainingStep):
                                      tensor_core_sums=self.plan.tensor_core_sums)
         clipped.add(loss_fn, inputs, physical_batch_size=self.physical_batch_size)
         stats = clipped.privatize(expected_batch_size=self.plan.batch_size)
-        _check_optimised_privately(self.optimizer, clipped.plan.params, self.model)
+        self.privatized = clipped.plan.params
         all_reduce_gradients(clipped.plan.params)  # the trainable parameters
         return all_reduce_sum(stats.loss_sum), all_reduce_sum(stats.examples)
+
+    def _check_optimiser(self) -> None:
+        _check_optimised_privately(self.optimizer, self.privatized, self.model)
 
     def _account(self) -> float | None:
         """Counts the step; ε after it on rank 0 (the other ranks need only :meth:`can_step`)."""
@@ -290,13 +298,13 @@ class PlainStep(TrainingStep):
 
 def _check_optimised_privately(optimizer: torch.optim.Optimizer, privatized: list[nn.Parameter],
                                model: nn.Module) -> None:
-    """Every tensor the optimiser updates must hold the privatized gradient: a trainable one the engine did not privatize
-    (one a listing gave the optimiser and not the engine) is refused by name, and a frozen one's gradient (left by a
-    non-private backward) is dropped, since AdamW would apply it."""
-    planned = set(privatized)
+    """Every tensor the optimiser updates must hold the privatized gradient (compared by identity): a trainable one the
+    engine did not privatize (one a listing gave the optimiser and not the engine, or an observer added) is refused by
+    name, and a frozen one's gradient (left by a non-private backward) is dropped, since AdamW would apply it."""
+    planned = {id(param) for param in privatized}
     for group in optimizer.param_groups:
         for param in group["params"]:
-            if param in planned:
+            if id(param) in planned:
                 continue
             if param.requires_grad:
                 name = next((n for n, p in model.named_parameters() if p is param), f"(unnamed) {list(param.shape)}")

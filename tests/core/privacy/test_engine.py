@@ -593,6 +593,51 @@ def test_a_parameter_listed_but_never_reached_by_the_walk_is_refused_by_name(mak
         engine_grads(make(), lambda m, x: m(x).pow(2).sum(1), torch.randn(6, 4), 1.0)
 
 
+class ComparedByValue(nn.Parameter):
+    def __hash__(self):
+        return hash(tuple(self.shape))
+
+    def __eq__(self, other):
+        return isinstance(other, torch.Tensor) and self.shape == other.shape and torch.equal(self.detach(), other.detach())
+
+
+def test_a_parameter_hashed_or_compared_by_value_is_refused_by_name():
+    """The fourth review's model: a listed parameter the walk did not reach, equal in value to a planned one, passed
+    for it, and an optimiser applied its stale gradient unclipped at the first step."""
+    model = ScalesByAToken()
+    model.token = ComparedByValue(torch.zeros(1, 4))
+    with pytest.raises(UnsupportedLayerError, match="'token' is a ComparedByValue with a hash or equality of its own"):
+        engine_grads(model, lambda m, x: m(x).pow(2).sum(1), torch.randn(6, 4), 1.0)
+
+
+class ReportsStockListings(type):
+    """A metaclass whose classes report nn.Module's listing methods while their instances use their own."""
+
+    def __getattribute__(cls, name):
+        if name in ("parameters", "named_parameters"):
+            return getattr(nn.Module, name)
+        return super().__getattribute__(name)
+
+
+class ListsAnExtraBehindItsMetaclass(nn.Module, metaclass=ReportsStockListings):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+        self.hidden = [nn.Parameter(torch.zeros(1, 4))]
+
+    def parameters(self, recurse=True):
+        yield from nn.Module.parameters(self, recurse)
+        yield self.hidden[0]
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def test_a_module_with_a_metaclass_of_its_own_has_its_listings_compared():
+    with pytest.raises(UnsupportedLayerError, match=r"is listed by the model's parameters\(\)"):
+        engine_grads(ListsAnExtraBehindItsMetaclass(), lambda m, x: m(x).pow(2).sum(1), torch.randn(6, 4), 1.0)
+
+
 def test_a_frozen_parameters_stale_gradient_is_dropped():
     """A gradient left by a non-private backward before the freeze: AdamW applies any gradient it finds."""
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3))

@@ -103,3 +103,18 @@ def test_a_frozen_parameter_the_optimiser_holds_keeps_its_value(regression):
     frozen = model.bias.detach().clone()
     run_steps(step, regression.batch, regression.loss, until=2)
     assert torch.equal(model.bias.detach(), frozen)
+
+
+def test_a_parameter_an_observer_hands_the_optimiser_is_refused_before_it_is_trained(regression):
+    """The check ran before the observer, which may add a parameter group, and the optimiser stepped after it."""
+    step = regression.step(regression.plan(100.0))
+    extra = nn.Parameter(torch.zeros(1))
+    extra.grad = torch.ones(1)  # a stale, non-private gradient
+
+    def observe(model: nn.Module) -> None:
+        step.optimizer.add_param_group({"params": [extra], "weight_decay": 0.0})
+
+    with pytest.raises(UnsupportedLayerError, match="optimiser holds parameter"):
+        step(regression.batch, regression.loss, observe)
+    assert float(extra.detach()) == 0.0
+
