@@ -543,11 +543,17 @@ def plan_model(model: nn.Module) -> ModelPlan:
     return ModelPlan(layers, plain, list(owners), list(frozen.values()))
 
 
+_TENSOR_METACLASSES = (type(torch.Tensor), type(nn.Parameter))
+
+
 def _check_tracked_by_identity(qualified: str, param: nn.Parameter) -> None:
     """Refuses a parameter whose type hashes or compares by something other than identity: the engine keys each
-    parameter's sums, noise and checks by the parameter, and two such parameters of equal values would share them."""
+    parameter's sums, noise and checks by the parameter, and two such parameters of equal values would share them.
+    Read from the raw tables of the parameter's own classes (those before ``torch.Tensor``), under torch's own
+    metaclasses: a metaclass of its own could report torch.Tensor's methods while instances use others."""
     kind = type(param)
-    if kind.__hash__ is not torch.Tensor.__hash__ or kind.__eq__ is not torch.Tensor.__eq__:
+    own_classes = kind.__mro__[:kind.__mro__.index(torch.Tensor)] if type(kind) in _TENSOR_METACLASSES else None
+    if own_classes is None or any("__hash__" in vars(cls) or "__eq__" in vars(cls) for cls in own_classes):
         raise UnsupportedLayerError(
             f"parameter '{qualified}' is a {kind.__name__} with a hash or equality of its own: the engine tells "
             "parameters apart by identity"

@@ -133,7 +133,8 @@ class TrainingStep(abc.ABC):
         Args:
             batch: ``batch(local_indices [k], sample_stream) -> inputs`` for the Poisson sample.
             loss_fn: ``loss_fn(model, inputs) -> [b]`` per-sample losses.
-            observe: called with the model once the gradients are set, before the optimiser step.
+            observe: called with the model once the gradients are set, before the optimiser step; it may read them
+                only (a private step refuses gradients changed since they were privatized).
         """
         started = time.perf_counter()
         lr = self.schedule.lr(self.taken)
@@ -203,7 +204,8 @@ class PrivateStep(TrainingStep):
                          sample_rate=plan.sample_rate, physical_batch_size=physical_batch_size, betas=betas,
                          weight_decay=weight_decay, param_groups=param_groups)
         self.plan = plan
-        self.privatized: list[nn.Parameter] = []  # the parameters whose gradients the last step privatized
+        # each parameter the last step privatized (by id): its gradient tensor and that tensor's version then
+        self.privatized: dict[int, tuple[torch.Tensor, int]] = {}
         self.ledger = plan.ledger(earlier_runs)
         self.noise_multiplier = rank_noise_multiplier(plan.noise_multiplier, self.rank)
 
@@ -221,8 +223,8 @@ class PrivateStep(TrainingStep):
                                      tensor_core_sums=self.plan.tensor_core_sums)
         clipped.add(loss_fn, inputs, physical_batch_size=self.physical_batch_size)
         stats = clipped.privatize(expected_batch_size=self.plan.batch_size)
-        self.privatized = clipped.plan.params
         all_reduce_gradients(clipped.plan.params)  # the trainable parameters
+        self.privatized = {id(param): (param.grad, param.grad._version) for param in clipped.plan.params}
         return all_reduce_sum(stats.loss_sum), all_reduce_sum(stats.examples)
 
     def _check_optimiser(self) -> None:
@@ -296,20 +298,23 @@ class PlainStep(TrainingStep):
         return all_reduce_sum(loss_sum), count
 
 
-def _check_optimised_privately(optimizer: torch.optim.Optimizer, privatized: list[nn.Parameter],
+def _check_optimised_privately(optimizer: torch.optim.Optimizer, privatized: dict[int, tuple[torch.Tensor, int]],
                                model: nn.Module) -> None:
-    """Every tensor the optimiser updates must hold the privatized gradient (compared by identity): a trainable one the
-    engine did not privatize (one a listing gave the optimiser and not the engine, or an observer added) is refused by
-    name, and a frozen one's gradient (left by a non-private backward) is dropped, since AdamW would apply it."""
-    planned = {id(param) for param in privatized}
+    """Every tensor the optimiser updates must hold the privatized gradient, as it was privatized: a trainable one the
+    engine did not privatize (one a listing gave the optimiser and not the engine, or an observer added), or one whose
+    gradient was replaced or changed since (an observer running a backward adds a non-private gradient), is refused
+    by name; a frozen one's gradient (left by a non-private backward) is dropped, since AdamW would apply it."""
     for group in optimizer.param_groups:
         for param in group["params"]:
-            if id(param) in planned:
+            if id(param) in privatized:
+                grad, version = privatized[id(param)]
+                if param.grad is grad and grad._version == version:
+                    continue
+                problem = "whose privatized gradient was replaced or changed before the optimiser stepped"
+            elif param.requires_grad:
+                problem = "which the DP engine did not privatize: it would be trained unclipped and un-noised"
+            else:
+                param.grad = None
                 continue
-            if param.requires_grad:
-                name = next((n for n, p in model.named_parameters() if p is param), f"(unnamed) {list(param.shape)}")
-                raise UnsupportedLayerError(
-                    f"the optimiser holds parameter '{name}', which the DP engine did not privatize: it would be "
-                    "trained unclipped and un-noised"
-                )
-            param.grad = None
+            name = next((n for n, p in model.named_parameters() if p is param), f"(unnamed) {list(param.shape)}")
+            raise UnsupportedLayerError(f"the optimiser holds parameter '{name}', {problem}")

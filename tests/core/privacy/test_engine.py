@@ -610,6 +610,28 @@ def test_a_parameter_hashed_or_compared_by_value_is_refused_by_name():
         engine_grads(model, lambda m, x: m(x).pow(2).sum(1), torch.randn(6, 4), 1.0)
 
 
+class ReportsTensorsHashing(type(nn.Parameter)):
+    """A metaclass whose parameter classes report torch.Tensor's hash and equality while instances use their own."""
+
+    def __getattribute__(cls, name):
+        if name in ("__hash__", "__eq__"):
+            return getattr(torch.Tensor, name)
+        return super().__getattribute__(name)
+
+
+class HashedByShape(nn.Parameter, metaclass=ReportsTensorsHashing):
+    def __hash__(self):
+        return hash(tuple(self.shape))
+
+
+def test_a_parameter_whose_metaclass_reports_tensors_hashing_is_refused_by_name():
+    """The fifth review's model: two such weights shared one running sum (leave-one-out 1.33 C)."""
+    model = ScalesByAToken()
+    model.token = HashedByShape(torch.zeros(1, 4))
+    with pytest.raises(UnsupportedLayerError, match="'token' is a HashedByShape with a hash or equality of its own"):
+        engine_grads(model, lambda m, x: m(x).pow(2).sum(1), torch.randn(6, 4), 1.0)
+
+
 class ReportsStockListings(type):
     """A metaclass whose classes report nn.Module's listing methods while their instances use their own."""
 

@@ -118,3 +118,16 @@ def test_a_parameter_an_observer_hands_the_optimiser_is_refused_before_it_is_tra
         step(regression.batch, regression.loss, observe)
     assert float(extra.detach()) == 0.0
 
+
+def test_a_gradient_an_observer_changes_is_refused_before_it_is_trained(regression):
+    """An observer running a backward on private data added a non-private gradient to the privatized one."""
+    step = regression.step(regression.plan(100.0))
+    before = step.model.weight.detach().clone()
+
+    def observe(model: nn.Module) -> None:
+        regression.loss(model, torch.arange(8)).sum().backward()
+
+    with pytest.raises(UnsupportedLayerError, match="'weight', whose privatized gradient was replaced or changed"):
+        step(regression.batch, regression.loss, observe)
+    assert torch.equal(step.model.weight.detach(), before)
+
