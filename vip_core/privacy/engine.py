@@ -590,7 +590,7 @@ _LISTINGS = frozenset({"named_parameters", "parameters", "named_modules", "_name
 def _lists_its_own_members(module: nn.Module) -> bool:
     """Whether ``module``'s class or the instance itself overrides how it lists its parameters or modules (or how its
     attributes are read, or its class has a metaclass of its own)."""
-    cls = type(module)
+    cls = type(module)  # each comparison spelled out: a loop over the names costs twice as much, per module and step
     return (cls.named_parameters is not nn.Module.named_parameters or cls.parameters is not nn.Module.parameters
             or cls.named_modules is not nn.Module.named_modules or cls._named_members is not nn.Module._named_members
             or cls.__getattribute__ is not nn.Module.__getattribute__ or type(cls) is not type

@@ -310,8 +310,8 @@ def _check_optimised_privately(optimizer: torch.optim.Optimizer, privatized: dic
                 grad, version = privatized[id(param)]
                 if param.grad is grad and grad._version == version:
                     continue
-                problem = ("whose privatized gradient was replaced or changed (it, or one sharing its storage) before the "
-                           "optimiser stepped")
+                problem = ("whose privatized gradient was replaced or changed (it, or one sharing its storage) "
+                           "before the optimiser stepped")
             elif param.requires_grad:
                 problem = "which the DP engine did not privatize: it would be trained unclipped and un-noised"
             else:

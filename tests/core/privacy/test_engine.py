@@ -457,7 +457,8 @@ def test_a_parameter_only_a_models_own_named_parameters_lists_is_refused_when_pl
     from vip_core.privacy.engine import plan_model
 
     model = ListsAnUnregisteredParameter(only_recursing)
-    with pytest.raises(UnsupportedLayerError, match="'x' is listed by the model's named_parameters\(\) but not reached"):
+    with pytest.raises(UnsupportedLayerError,
+                       match=r"'x' is listed by the model's named_parameters\(\) but not reached"):
         plan_model(model)
     with pytest.raises(UnsupportedLayerError, match="'x'"):
         engine_grads(model, lambda m, x: m(x).pow(2).sum(1), torch.randn(8, 4), 1.0)
@@ -598,7 +599,8 @@ class ComparedByValue(nn.Parameter):
         return hash(tuple(self.shape))
 
     def __eq__(self, other):
-        return isinstance(other, torch.Tensor) and self.shape == other.shape and torch.equal(self.detach(), other.detach())
+        return (isinstance(other, torch.Tensor) and self.shape == other.shape
+                and torch.equal(self.detach(), other.detach()))
 
 
 def test_a_parameter_hashed_or_compared_by_value_is_refused_by_name():
