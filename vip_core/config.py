@@ -83,8 +83,8 @@ class ModelConfig(_Frozen):
         return (self.img_size // self.patch_size) ** 2
 
 
-TENSOR_CORE_SUMS_HELP = ("on CUDA, clipped sums of bfloat16 layers on tensor cores: faster at large batches, but "
-                         "their float32 accumulation is not IEEE (docs/privacy.md, Findings and caveats)")
+STRICT_FLOAT32_HELP = ("IEEE float32 per-sample norms and clipped sums instead of the GPU's tensor cores under a "
+                       "stated rounding bound (docs/privacy.md, rule 12): slower, the same guarantee")
 
 
 class PrivacyConfig(_Frozen):
@@ -101,7 +101,7 @@ class PrivacyConfig(_Frozen):
                                            description="None: calibrated by the accountant")
     accountant: Accountant = "pld"
     secure_mode: bool = Field(False, description="draw noise, samples and masks from the OS CSPRNG (slower)")
-    tensor_core_sums: bool = Field(False, description=TENSOR_CORE_SUMS_HELP)
+    strict_float32: bool = Field(False, description=STRICT_FLOAT32_HELP)
     log_private_statistics: bool = Field(
         True, description="log the per-step loss and images/s of the private stage (computed from private data, "
                           "not privatized) to MLflow and result.json; off keeps them out of a shared server")
@@ -241,7 +241,7 @@ class FinetunePrivacyConfig(_Frozen):
     steps: int = Field(100, gt=0)
     accountant: Accountant = "pld"
     secure_mode: bool = Field(False, description="draw noise and samples from the OS CSPRNG (slower)")
-    tensor_core_sums: bool = Field(False, description=TENSOR_CORE_SUMS_HELP)
+    strict_float32: bool = Field(False, description=STRICT_FLOAT32_HELP)
 
 
 class EvaluationConfig(_Frozen):

@@ -5,9 +5,8 @@ round, after warm-up (one torch thread by default, which keeps the figures stead
 ``nonprivate`` (forward, mean loss backward, AdamW), ``dp`` (this project's private step with q = 1:
 Poisson draw, masks and noise from 128-bit-keyed streams, per-sample clipping, DP-AdamW, ledger),
 ``dp_secure`` (the same in secure mode: every random number from the OS CSPRNG, four-draw Gaussian; skipped
-with ``--no-secure``), ``dp_tensor_cores`` (with ``--tensor-core-sums``: the same with ``privacy.tensor_core_sums``,
-the clipped sums of bfloat16 layers on tensor cores; a CUDA device under ``--precision bf16`` only, elsewhere it is
-``dp`` again),
+with ``--no-secure``), ``dp_strict`` (with ``--strict-float32``: the same with ``privacy.strict_float32``, IEEE float32
+norms and clipped sums instead of the default's bfloat16 operands on the GPU's tensor cores),
 ``opacus_hooks`` and ``opacus_ghost`` (opacus 1.6.0 ``GradSampleModule`` + ``DPOptimizer``, and ghost
 clipping). ``--microbatches K`` makes a step a logical batch of K physical batches of ``--batch`` (the
 non-private step accumulates K backward passes; the private step sums K microbatches' clipped gradients),
@@ -16,7 +15,17 @@ over the rounds, of
 wall-clock time (``*_ratio``) and of this process's CPU time (``*_cpu_ratio``, steadier when other
 processes compete for the cores); ``*_ratio_per_round``, ``*_ratio_min`` and ``*_ratio_max`` give the time
 ratio's spread: each round's step over the non-private step of the same round. ``--precision bf16`` runs every
-mode's forward under bfloat16 autocast (the engine keeps per-sample norms and clipped sums in float32).
+mode's forward under bfloat16 autocast.
+
+``work``: for ``nonprivate`` and ``dp``, one step's dispatched operations (``ops``, a ``TorchDispatchMode`` counting
+every ATen call, views included), its matmul GFLOP by the precision a GPU runs them in, and the GB its operations
+write (:func:`step_work`); ``dp_host_ops_ratio``: what paces a GPU step at small batches, where the host issues
+kernels more slowly than the device runs them. Counted on any device, they are the basis of a GPU projection where
+no GPU is at hand.
+
+``clip_shortfall``: the mean, over the samples the private step clipped, of ``1 − f·N/C`` (``f`` the clip factor,
+``N`` the computed norm): how far the rounding bounds and margins of ``docs/privacy.md``'s rule 12 scale a sample
+below ``C``, measured on the benchmark's batch in the benchmark's precision.
 
 Opacus needs the MAE's cls and mask tokens out of the root module (otherwise every opacus mode falls back
 to a per-sample vmap of the whole forward, which fails on the random masking): for opacus the same
@@ -38,7 +47,7 @@ timed rounds (its overhead included, so they do not add up to the timed medians 
 naive reference stays on the CPU): each step ends in ``torch.cuda.synchronize()`` before its time is read,
 the peak counts the device's tensors the same way, and ``kernels_s`` replaces ``phases_s``: for one
 ``nonprivate`` and one ``dp`` step, the kernels that take longest, by name, with their device seconds, and the
-device span of each ``vip.*`` range (:func:`_kernel_seconds`). On a GPU the
+device span of each ``vip.*`` range, and the kernels' seconds by precision (:func:`kernel_precision`). On a GPU the
 engine draws the noise on the device (two Philox generators per tensor), so ``noise_wait`` is absent; the
 ``noise_ns_per_coordinate_*`` figures stay those of the CPU sampler (the path of CPU training).
 
@@ -84,7 +93,7 @@ NOISE_ROUNDS = 7  # timed, after one untimed round (the helpers' scratch memory 
 def bench_dp_step(
     *, preset: str, img_size: int, batch: int, repeats: int, warmup: int, threads: int, opacus: bool, seed: int,
     precision: str = "fp32", microbatches: int = 1, device: str = "cpu", secure: bool = True,
-    tensor_cores: bool = False, width: int | None = None,
+    strict: bool = False, width: int | None = None,
 ) -> dict[str, Any]:
     """Times and measures every mode on the MAE of ``preset`` at ``img_size``, a logical step being
     ``microbatches`` physical batches of ``batch``; returns the figures."""
@@ -102,13 +111,13 @@ def bench_dp_step(
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Full backward hook", category=UserWarning)
             return _bench(preset, img_size, batch, repeats, warmup, opacus, seed, precision, microbatches, where,
-                          secure, tensor_cores, width)
+                          secure, strict, width)
     finally:
         torch.set_num_threads(previous_threads)
 
 
 def _bench(preset: str, img_size: int, batch: int, repeats: int, warmup: int, opacus: bool, seed: int,
-           precision: str, microbatches: int, device: Any, secure: bool, tensor_cores: bool,
+           precision: str, microbatches: int, device: Any, secure: bool, strict: bool,
            width: int | None) -> dict[str, Any]:
     import torch
 
@@ -121,7 +130,7 @@ def _bench(preset: str, img_size: int, batch: int, repeats: int, warmup: int, op
     config = with_overrides(config, {"model.img_size": img_size, **_narrowed(width)})
     torch.manual_seed(seed)
     images = torch.randn(microbatches * batch, 3, img_size, img_size)  # images: [K*B, 3, S, S]
-    steps = _step_functions(config, images.to(device), batch, opacus, precision, secure, tensor_cores)
+    steps = _step_functions(config, images.to(device), batch, opacus, precision, secure, strict)
     rounds, cpu_rounds = _interleaved_rounds(steps, repeats, warmup)
     seconds, cpu_seconds = _medians(rounds), _medians(cpu_rounds)
     peaks = {name: _peak_bytes(step, state) for name, (step, state) in steps.items()}
@@ -139,7 +148,10 @@ def _bench(preset: str, img_size: int, batch: int, repeats: int, warmup: int, op
         "nonprivate_peak_mb": peaks["nonprivate"] / 2**20, "dp_peak_mb": peaks["dp"] / 2**20,
         "dp_peak_mem_ratio": peaks["dp"] / peaks["nonprivate"],
     }
-    for mode in ("dp_secure", "dp_tensor_cores", "opacus_ghost", "opacus_hooks"):
+    work = {name: step_work(steps[name][0]) for name in ("nonprivate", "dp")}
+    result["work"] = work
+    result["dp_host_ops_ratio"] = work["dp"]["ops"] / work["nonprivate"]["ops"]
+    for mode in ("dp_secure", "dp_strict", "opacus_ghost", "opacus_hooks"):
         if mode in seconds:
             result[f"{mode}_s"] = seconds[mode]
             result[f"{mode}_ratio"] = seconds[mode] / seconds["nonprivate"]
@@ -149,7 +161,8 @@ def _bench(preset: str, img_size: int, batch: int, repeats: int, warmup: int, op
                 result[f"{mode}_peak_mem_ratio"] = peaks[mode] / peaks["nonprivate"]
     result["kernels_s" if device.type == "cuda" else "phases_s"] = phases
     result["max_abs_err_vs_naive"] = naive_error(config, images[:NAIVE_SAMPLES])
-    from vip_core.privacy.engine import usable_cores
+    result["clip_shortfall"] = clip_shortfall(config, images[:batch].to(device), precision)
+    from vip_core.privacy.buffer import usable_cores
 
     cores = usable_cores()
     result["cores"] = cores
@@ -186,7 +199,7 @@ LR = 1e-4
 
 
 def _step_functions(config: Any, images: Any, batch: int, opacus: bool, precision: str,
-                    secure: bool, tensor_cores: bool = False) -> dict[str, tuple[Callable[[], None], list]]:
+                    secure: bool, strict: bool = False) -> dict[str, tuple[Callable[[], None], list]]:
     """``name -> (one optimiser step, tensors held between steps)`` for every mode, each on its own copy, with
     its forward in ``precision``."""
     from torch.profiler import record_function
@@ -222,8 +235,8 @@ def _step_functions(config: Any, images: Any, batch: int, opacus: bool, precisio
     steps["dp"] = _private_step(base, images, batch, forward, secure=False)
     if secure:
         steps["dp_secure"] = _private_step(base, images, batch, forward, secure=True)
-    if tensor_cores:
-        steps["dp_tensor_cores"] = _private_step(base, images, batch, forward, secure=False, tensor_core_sums=True)
+    if strict:
+        steps["dp_strict"] = _private_step(base, images, batch, forward, secure=False, strict=True)
     if opacus:
         steps["opacus_ghost"] = _opacus_step(base, images, forward, ghost=True)
         steps["opacus_hooks"] = _opacus_step(base, images, forward, ghost=False)
@@ -250,7 +263,7 @@ def _device_name(device: Any) -> str:
 
 
 def _private_step(base: Any, images: Any, physical: int, forward: Callable, *,
-                  secure: bool, tensor_core_sums: bool = False) -> tuple[Callable[[], None], list]:
+                  secure: bool, strict: bool = False) -> tuple[Callable[[], None], list]:
     """vip's private step (:class:`~vip_core.train.step.PrivateStep`) with q = 1, so that every image is in
     every step, in microbatches of ``physical``: Poisson draw, masks and noise from its random streams,
     clipping, DP-AdamW, ledger."""
@@ -262,7 +275,7 @@ def _private_step(base: Any, images: Any, physical: int, forward: Callable, *,
     model = copy.deepcopy(base)
     batch = images.shape[0]
     budget = PrivacyConfig(noise_multiplier=NOISE_MULTIPLIER, max_grad_norm=MAX_GRAD_NORM, target_epsilon=1e9,
-                           delta=1e-5, accountant="rdp", secure_mode=secure, tensor_core_sums=tensor_core_sums)
+                           delta=1e-5, accountant="rdp", secure_mode=secure, strict_float32=strict)
     plan = plan_privacy(budget, dataset_size=batch, batch_size=batch, steps=10_000, fingerprint="bench")
     step = PrivateStep(model, plan, Schedule(peak_lr=LR, total_steps=10_000, kind="constant"),
                        physical_batch_size=physical)
@@ -454,7 +467,62 @@ def _kernel_seconds(step: Callable[[], None]) -> dict[str, dict[str, float]]:
     seconds = {e.key[:80]: e.self_device_time_total / 1e6 for e in kernels[:TOP_KERNELS]}
     seconds["all"] = sum(e.self_device_time_total for e in kernels) / 1e6
     spans = {e.key.removeprefix("vip."): e.device_time_total / 1e6 for e in ranges if e.key.startswith("vip.")}
-    return {"kernels": seconds, "ranges": spans}
+    by_precision: dict[str, float] = {}
+    for event in kernels:
+        kind = kernel_precision(event.key)
+        by_precision[kind] = by_precision.get(kind, 0.0) + event.self_device_time_total / 1e6
+    return {"kernels": seconds, "ranges": spans, "by_precision": by_precision}
+
+
+def kernel_precision(name: str) -> str:
+    """A CUDA kernel's kind from its name: ``matmul_bf16`` and ``matmul_fp16`` (tensor cores), ``matmul_tf32``,
+    ``matmul_fp32`` (IEEE float32 on CUDA cores), or ``other`` (elementwise, reductions, copies)."""
+    lowered = name.lower()
+    if not any(word in lowered for word in ("gemm", "matmul", "xmma", "cutlass", "wgmma", "sm90_")):
+        return "other"
+    for marker, kind in (("bf16", "matmul_bf16"), ("tf32", "matmul_tf32"), ("f16", "matmul_fp16"),
+                         ("h16", "matmul_fp16"), ("s1688", "matmul_tf32")):
+        if marker in lowered:
+            return kind
+    return "matmul_fp32"
+
+
+_MATMULS = {"aten.mm.default": (0, 1), "aten.bmm.default": (0, 1), "aten.addmm.default": (1, 2),
+            "aten.baddbmm.default": (1, 2)}
+
+
+def step_work(step: Callable[[], None]) -> dict[str, float]:
+    """What one call of ``step`` asks of the device: ``ops``, the ATen operations it dispatches (views and in-place
+    updates included: each is a trip through the host's dispatcher, and most launch a kernel on a GPU);
+    ``matmul_gflop_bf16`` and ``matmul_gflop_fp32``, its matmuls' GFLOP by the precision a GPU would run them in
+    (bfloat16 operands, or float32 copies of bfloat16 tensors, which the engine multiplies on tensor cores there; and
+    float32); ``written_gb``, the bytes its operations write (a proxy for the memory traffic of everything else)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    work = {"ops": 0, "matmul_gflop_bf16": 0.0, "matmul_gflop_fp32": 0.0, "written_gb": 0.0}
+    copies_of_bf16: set[int] = set()  # float32 tensors that hold exact copies of bfloat16 ones
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            out = func(*args, **(kwargs or {}))
+            work["ops"] += 1
+            name = str(func)
+            if name == "aten._to_copy.default" and args[0].dtype == torch.bfloat16 and out.dtype == torch.float32:
+                copies_of_bf16.add(id(out))
+            if name in _MATMULS:
+                left, right = (args[i] for i in _MATMULS[name])
+                flops = 2 * left.numel() * right.shape[-1] / 1e9
+                low = all(t.dtype == torch.bfloat16 or id(t) in copies_of_bf16 for t in (left, right))
+                work["matmul_gflop_bf16" if low else "matmul_gflop_fp32"] += flops
+            work["written_gb"] += sum(t.numel() * t.element_size() for t in tree_leaves(out)
+                                      if isinstance(t, torch.Tensor)) / 1e9
+            return out
+
+    with Count():
+        step()
+    return work
 
 
 def _peak_bytes(step: Callable[[], None], held: list) -> int:
@@ -558,3 +626,24 @@ def naive_error(config: Any, images: Any) -> float:
         noise_multiplier=0.0, expected_batch_size=1.0,
     )
     return max(float((p.grad.double() - r).abs().max()) for p, r in zip(params, reference))
+
+
+def clip_shortfall(config: Any, images: Any, precision: str) -> float:
+    """The mean clip-factor shortfall (:class:`~vip_core.privacy.engine.StepStats`) of the engine on ``images``
+    with fixed masks, its forward in ``precision``."""
+    import torch
+
+    from vip_core.models.mae import build_mae
+    from vip_core.privacy.engine import privatized_gradients
+    from vip_core.train.precision import autocast
+
+    mae = build_mae(config.model).to(images.device)
+    noise = torch.rand(images.shape[0], config.model.num_patches, generator=torch.Generator().manual_seed(3))
+
+    def loss(model: Any, inputs: tuple[Any, Any]) -> Any:
+        with autocast(precision, images.device):
+            return model(inputs[0], noise=inputs[1])[0].float()
+
+    stats = privatized_gradients(mae, loss, (images, noise.to(images.device)), max_grad_norm=MAX_GRAD_NORM,
+                                 noise_multiplier=0.0, expected_batch_size=1.0)
+    return stats.shortfall

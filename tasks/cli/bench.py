@@ -35,8 +35,8 @@ def _register_dp_step(benchmarks: Any) -> None:
                         help="torch CPU threads (default: 1, steady on a shared machine); 0 keeps torch's default")
     parser.add_argument("--no-opacus", action="store_true", help="skip the two opacus modes")
     parser.add_argument("--no-secure", action="store_true", help="skip the secure-mode private step")
-    parser.add_argument("--tensor-core-sums", action="store_true",
-                        help="also time the private step with privacy.tensor_core_sums (CUDA, bf16)")
+    parser.add_argument("--strict-float32", action="store_true",
+                        help="also time the private step with privacy.strict_float32 (IEEE float32 norms and sums)")
     parser.add_argument("--width", type=count(1), default=None,
                         help="every encoder and decoder width set to this, one attention head (the preset's depths "
                         "and tokens kept): so little compute that a step's time is its host's, Python and dispatch, "
@@ -132,7 +132,7 @@ def handle_dp_step(args: argparse.Namespace) -> int:
     result = bench_dp_step(preset=args.preset, img_size=args.img_size, batch=args.batch, repeats=args.repeats,
                            warmup=args.warmup, threads=args.threads, opacus=not args.no_opacus, seed=args.seed,
                            precision=args.precision, microbatches=args.microbatches, device=args.device,
-                           secure=not args.no_secure, tensor_cores=args.tensor_core_sums, width=args.width)
+                           secure=not args.no_secure, strict=args.strict_float32, width=args.width)
     return _report(args, result, [f"{key:>28}: {value}" for key, value in result.items()])
 
 

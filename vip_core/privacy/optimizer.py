@@ -46,7 +46,8 @@ def dp_adamw(
     left_out = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in grouped]
     if left_out:
         raise ValueError(f"the optimizer's parameter groups leave out trainable parameters: {', '.join(left_out[:5])}")
-    return torch.optim.AdamW([g for g in param_groups if g["params"]], lr=lr, betas=betas, eps=eps)
+    # foreach: a few operations per group instead of a dozen per parameter (torch's default on CUDA, not on the CPU)
+    return torch.optim.AdamW([g for g in param_groups if g["params"]], lr=lr, betas=betas, eps=eps, foreach=True)
 
 
 def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -19,7 +19,6 @@ from typing import Any, Protocol, Sequence
 from vip_core.config import ConfigError
 from vip_core.privacy.accounting import calibrate_noise_multiplier
 from vip_core.privacy.ledger import Charge, LedgerBook, PrivacyLedger, compose
-from vip_core.privacy.per_sample import TENSOR_CORE_MIN_CLIP
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +26,7 @@ log = logging.getLogger(__name__)
 # the steps it was charged for would not be the steps it takes); causes before consequences (a new batch
 # size changes q, which changes a calibrated σ).
 RESUME_FIELDS = ("dataset_size", "fingerprint", "batch_size", "sample_rate", "steps", "runs", "target_epsilon",
-                 "delta", "accountant", "max_grad_norm", "noise_multiplier", "secure_mode", "tensor_core_sums")
+                 "delta", "accountant", "max_grad_norm", "noise_multiplier", "secure_mode")
 
 
 class PrivacyBudget(Protocol):
@@ -39,7 +38,7 @@ class PrivacyBudget(Protocol):
     noise_multiplier: float | None
     accountant: str
     secure_mode: bool
-    tensor_core_sums: bool
+    strict_float32: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,8 +60,8 @@ class PrivacyPlan:
         accountant: the accountant's name.
         secure_mode: draw every random number from the OS CSPRNG (see :mod:`vip_core.privacy.randomness`).
         prior: the charges of the data set's other runs, composed into ε.
-        tensor_core_sums: on CUDA, clipped sums of bfloat16 layers on tensor cores (see
-            :func:`vip_core.privacy.per_sample.splits_on_tensor_cores`); not part of the accounting.
+        strict_float32: IEEE float32 per-sample norms and clipped sums (:mod:`vip_core.privacy.numerics`); not part
+            of the accounting, and a resumed run may change it.
     """
 
     dataset_size: int
@@ -79,7 +78,7 @@ class PrivacyPlan:
     accountant: str
     secure_mode: bool
     prior: tuple[Charge, ...] = ()
-    tensor_core_sums: bool = False
+    strict_float32: bool = False
 
     def ledger(self, earlier_runs: int = 0) -> PrivacyLedger:
         """A fresh ledger for run ``earlier_runs`` of this plan (the earlier ones count as taken)."""
@@ -114,7 +113,9 @@ class PrivacyPlan:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "PrivacyPlan":
-        return cls(**{**data, "prior": tuple(Charge(**c) for c in data.get("prior", ()))})
+        """The plan of :meth:`to_dict` (fields an older version saved and this one lacks are left out)."""
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        return cls(**{**known, "prior": tuple(Charge(**c) for c in data.get("prior", ()))})
 
     def mismatch(self, other: dict[str, Any]) -> str | None:
         """The first of ``RESUME_FIELDS`` (then the other runs composed in) whose value in ``other`` differs,
@@ -163,9 +164,6 @@ def plan_privacy(
         raise ConfigError(f"{batch_field}: {batch_size} is larger than the data set ({dataset_size} examples)")
     if runs < 1:
         raise ValueError(f"runs must be >= 1, got {runs}")
-    if budget.tensor_core_sums and budget.max_grad_norm < TENSOR_CORE_MIN_CLIP:
-        raise ConfigError(f"{field}.tensor_core_sums: needs {field}.max_grad_norm >= {TENSOR_CORE_MIN_CLIP:g}, got "
-                          f"{budget.max_grad_norm!r} (below it the bfloat16 parts' underflow is not negligible)")
     sample_rate = batch_size / dataset_size
     delta = budget.delta if budget.delta is not None else 1.0 / (2 * dataset_size)
     if delta >= 1.0 / dataset_size:
@@ -193,7 +191,7 @@ def plan_privacy(
         dataset_size=dataset_size, fingerprint=fingerprint, batch_size=batch_size, sample_rate=sample_rate,
         steps=steps, runs=runs, delta=delta, noise_multiplier=float(sigma), max_grad_norm=budget.max_grad_norm,
         target_epsilon=budget.target_epsilon, epsilon=epsilon, accountant=budget.accountant,
-        secure_mode=budget.secure_mode, prior=tuple(prior), tensor_core_sums=budget.tensor_core_sums,
+        secure_mode=budget.secure_mode, prior=tuple(prior), strict_float32=budget.strict_float32,
     )
 
 

@@ -226,25 +226,33 @@ class GaussianDraw:
     def tensor(self, index: int, shape: tuple[int, ...], *, dtype: torch.dtype = torch.float32,
                device: torch.device = torch.device("cpu")) -> torch.Tensor:
         """Tensor ``index``'s whole noise, of ``shape``, cast to ``dtype`` on ``device``."""
-        if device.type == "cuda" and not self.secure:
-            return self._cuda_normal(index, shape, device).to(dtype)
-        noise = torch.empty(shape, dtype=torch.float32, device="cpu")
-        for block in self.blocks(noise.numel()):
-            self.fill(index, noise, block)
+        noise = torch.empty(shape, dtype=torch.float32, device=device if self.on_device(device) else "cpu")
+        self.fill_whole(index, noise)
         return noise.to(device=device, dtype=dtype)
 
-    def _cuda_normal(self, index: int, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    def on_device(self, device: torch.device) -> bool:
+        """Whether noise for ``device`` is drawn there (CUDA, default mode) rather than on the CPU."""
+        return device.type == "cuda" and not self.secure
+
+    def fill_whole(self, index: int, out: torch.Tensor) -> None:
+        """Writes tensor ``index``'s whole noise into ``out`` (contiguous float32): block by block on the CPU, or on
+        the device where :meth:`on_device`."""
+        if self.on_device(out.device):
+            self._cuda_fill(index, out)
+            return
+        for block in self.blocks(out.numel()):
+            self.fill(index, out, block)
+
+    def _cuda_fill(self, index: int, out: torch.Tensor) -> None:
         """The mean of two device Philox draws, each keyed by a 64-bit seed and a 62-bit offset of this tensor; the
-        second is added ``_DEVICE_CHUNK`` coordinates at a time, so that a step's one draw of every parameter needs no
-        second parameter-sized buffer (a tensor of at most one chunk gets one call of each generator)."""
+        second is added ``_DEVICE_CHUNK`` coordinates at a time, so that no second buffer of ``out``'s size is made."""
         words = np.random.SeedSequence(self._key, spawn_key=(index,)).generate_state(4, dtype=np.uint64)
-        first, second = (_philox(int(words[k]), int(words[k + 1]), device) for k in (0, 2))
-        total = torch.randn(shape, generator=first, device=device, dtype=torch.float32)
-        flat = total.view(-1)  # [numel]
+        first, second = (_philox(int(words[k]), int(words[k + 1]), out.device) for k in (0, 2))
+        flat = out.view(-1).normal_(generator=first)  # [numel]
         for start in range(0, flat.numel(), _DEVICE_CHUNK):
             part = flat[start:start + _DEVICE_CHUNK]
-            part.add_(torch.randn(part.shape, generator=second, device=device, dtype=torch.float32))
-        return total.mul_(self.std / math.sqrt(2.0))
+            part.add_(torch.randn(part.shape, generator=second, device=out.device, dtype=torch.float32))
+        flat.mul_(self.std / math.sqrt(2.0))
 
 
 def _philox(seed: int, offset: int, device: torch.device) -> torch.Generator:

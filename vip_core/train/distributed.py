@@ -5,7 +5,7 @@ The private step across ``W`` workers (docs/privacy.md, rule 3):
 1. every rank Poisson-samples its own block of the data with its own random stream;
 2. every rank computes the clipped sum of its samples' gradients, divided by the public expected batch
    size; rank 0 alone adds the Gaussian noise N(0, σ²C²) (:func:`rank_noise_multiplier`);
-3. :func:`all_reduce_gradients` sums the gradients over ranks, so the total noise has std σC whatever
+3. the gradients are summed over ranks (:func:`all_reduce_in_place` on the engine's flat gradients), so the total noise has std σC whatever
    ``W`` is, and every rank then takes the same optimizer step from the same parameters.
 
 :func:`parameters_fingerprint` and :func:`check_parameters_equal` verify the last point.
@@ -59,6 +59,12 @@ def all_reduce_gradients(params: Iterable[nn.Parameter]) -> None:
         count = grad.numel()
         param.grad = flat[offset:offset + count].view_as(grad).clone()
         offset += count
+
+
+def all_reduce_in_place(tensor: torch.Tensor) -> None:
+    """Replaces ``tensor`` by its SUM over ranks (nothing without a process group)."""
+    if is_distributed():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
 
 
 def all_reduce_sum(value: float) -> float:

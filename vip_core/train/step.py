@@ -34,14 +34,15 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from vip_core.privacy.engine import ClippedGradientSum, Inputs, UnsupportedLayerError, split_batch
+from vip_core.privacy.engine import DPEngine, Inputs, split_batch
 from vip_core.privacy.ledger import PrivacyLedger
 from vip_core.privacy.optimizer import dp_adamw, set_learning_rate
 from vip_core.privacy.plan import PrivacyPlan
 from vip_core.privacy.randomness import Mode, RandomStream, private_entropy
 from vip_core.privacy.sampling import PoissonSampler
 from vip_core.train.distributed import (
-    all_reduce_gradients, all_reduce_sum, rank_and_world, rank_noise_multiplier, trainable_parameters,
+    all_reduce_gradients, all_reduce_in_place, all_reduce_sum, rank_and_world, rank_noise_multiplier,
+    trainable_parameters,
 )
 from vip_core.train.pipeline import DECODE_MODE, InputPipeline, Load
 from vip_core.train.schedule import Schedule
@@ -134,7 +135,7 @@ class TrainingStep(abc.ABC):
             batch: ``batch(local_indices [k], sample_stream) -> inputs`` for the Poisson sample.
             loss_fn: ``loss_fn(model, inputs) -> [b]`` per-sample losses.
             observe: called with the model once the gradients are set, before the optimiser step; it may read them
-                only (a private step refuses gradients changed since they were privatized).
+                only.
         """
         started = time.perf_counter()
         lr = self.schedule.lr(self.taken)
@@ -144,7 +145,6 @@ class TrainingStep(abc.ABC):
         if observe is not None:
             observe(self.model)
         with record_function("vip.optimizer"):
-            self._check_optimiser()
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.taken += 1
@@ -155,9 +155,6 @@ class TrainingStep(abc.ABC):
     @abc.abstractmethod
     def _gradients(self, inputs: Inputs, loss_fn: LossFn) -> tuple[float, float]:
         """Sets ``.grad`` of every trainable parameter; returns the (all-reduced) loss sum and example count."""
-
-    def _check_optimiser(self) -> None:
-        """Right before the optimiser steps: refuses what it must not update (nothing, without privacy)."""
 
     def _account(self) -> float | None:
         return None
@@ -204,8 +201,7 @@ class PrivateStep(TrainingStep):
                          sample_rate=plan.sample_rate, physical_batch_size=physical_batch_size, betas=betas,
                          weight_decay=weight_decay, param_groups=param_groups)
         self.plan = plan
-        # each parameter the last step privatized (by id): its gradient tensor and that tensor's version then
-        self.privatized: dict[int, tuple[torch.Tensor, int]] = {}
+        self.engine = DPEngine(model, max_grad_norm=plan.max_grad_norm, strict_float32=plan.strict_float32)
         self.ledger = plan.ledger(earlier_runs)
         self.noise_multiplier = rank_noise_multiplier(plan.noise_multiplier, self.rank)
 
@@ -218,17 +214,10 @@ class PrivateStep(TrainingStep):
 
     def _gradients(self, inputs: Inputs, loss_fn: LossFn) -> tuple[float, float]:
         """Σ clip(gᵢ, C) of this rank's samples, plus (rank 0 only) the noise, over B; summed over ranks."""
-        clipped = ClippedGradientSum(self.model, max_grad_norm=self.plan.max_grad_norm,
-                                     noise_multiplier=self.noise_multiplier, noise=self.streams.noise,
-                                     tensor_core_sums=self.plan.tensor_core_sums)
+        clipped = self.engine.clipped_sum(noise_multiplier=self.noise_multiplier, noise=self.streams.noise)
         clipped.add(loss_fn, inputs, physical_batch_size=self.physical_batch_size)
-        stats = clipped.privatize(expected_batch_size=self.plan.batch_size)
-        all_reduce_gradients(clipped.plan.params)  # the trainable parameters
-        self.privatized = {id(param): (param.grad, param.grad._version) for param in clipped.plan.params}
+        stats = clipped.privatize(expected_batch_size=self.plan.batch_size, all_reduce=all_reduce_in_place)
         return all_reduce_sum(stats.loss_sum), all_reduce_sum(stats.examples)
-
-    def _check_optimiser(self) -> None:
-        _check_optimised_privately(self.optimizer, self.privatized, self.model)
 
     def _account(self) -> float | None:
         """Counts the step; ε after it on rank 0 (the other ranks need only :meth:`can_step`)."""
@@ -296,26 +285,3 @@ class PlainStep(TrainingStep):
             if param.grad is not None:
                 param.grad.div_(max(count, 1.0))
         return all_reduce_sum(loss_sum), count
-
-
-def _check_optimised_privately(optimizer: torch.optim.Optimizer, privatized: dict[int, tuple[torch.Tensor, int]],
-                               model: nn.Module) -> None:
-    """Every tensor the optimiser updates must hold the privatized gradient, as it was privatized: a trainable one the
-    engine did not privatize (one a listing gave the optimiser and not the engine, or an observer added), or one whose
-    gradient was replaced or changed since (an observer running a backward adds a non-private gradient), is refused
-    by name; a frozen one's gradient (left by a non-private backward) is dropped, since AdamW would apply it."""
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            if id(param) in privatized:
-                grad, version = privatized[id(param)]
-                if param.grad is grad and grad._version == version:
-                    continue
-                problem = ("whose privatized gradient was replaced or changed (it, or one sharing its storage) "
-                           "before the optimiser stepped")
-            elif param.requires_grad:
-                problem = "which the DP engine did not privatize: it would be trained unclipped and un-noised"
-            else:
-                param.grad = None
-                continue
-            name = next((n for n, p in model.named_parameters() if p is param), f"(unnamed) {list(param.shape)}")
-            raise UnsupportedLayerError(f"the optimiser holds parameter '{name}', {problem}")

@@ -138,18 +138,12 @@ def test_epsilon_by_counts_the_earlier_runs_of_a_plan_as_its_ledger_does():
     assert plan.tight_epsilon(1_000, earlier_runs=1) > plan.tight_epsilon(1_000)
 
 
-def test_tensor_core_sums_with_a_clipping_norm_too_small_for_their_bfloat16_parts_is_refused_naming_the_field():
-    config = with_overrides(get_preset("tiny"), {"privacy.tensor_core_sums": True, "privacy.max_grad_norm": 1e-7})
-    with pytest.raises(ConfigError, match=r"privacy\.tensor_core_sums: needs privacy\.max_grad_norm >= 1e-06"):
-        stage_plan(config, 1_000)
-    assert stage_plan(with_overrides(config, {"privacy.max_grad_norm": 1e-6}), 1_000).tensor_core_sums
-
-
-def test_a_resume_that_changes_tensor_core_sums_is_refused_and_an_older_plan_without_it_ran_without_them():
-    # The setting changes how the clipped sums round (docs/privacy.md): a run's steps keep the one they started
-    # with, and plans saved before the setting existed ran the IEEE float32 sums.
+def test_strict_float32_reaches_the_plan_and_a_resume_may_change_it():
+    # Both numerics keep every contribution within C (docs/privacy.md, rule 12): a run resumed with the other one
+    # keeps its guarantee, and a plan saved with the older tensor_core_sums field still loads.
     plan = stage_plan(get_preset("tiny"), 1_000)
-    switched = stage_plan(with_overrides(get_preset("tiny"), {"privacy.tensor_core_sums": True}), 1_000)
-    assert plan.mismatch(switched.to_dict()) == "tensor_core_sums=True, the plan gives False"
-    older = {k: v for k, v in plan.to_dict().items() if k != "tensor_core_sums"}
-    assert plan.mismatch(older) is None and switched.mismatch(older) == "tensor_core_sums=False, the plan gives True"
+    strict = stage_plan(with_overrides(get_preset("tiny"), {"privacy.strict_float32": True}), 1_000)
+    assert (plan.strict_float32, strict.strict_float32) == (False, True)
+    assert plan.mismatch(strict.to_dict()) is None
+    older = {**plan.to_dict(), "tensor_core_sums": False}
+    assert PrivacyPlan.from_dict(older) == plan

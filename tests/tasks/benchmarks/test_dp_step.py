@@ -16,7 +16,7 @@ from vip_core.models.mae import build_mae
 KEYS = (
     "nonprivate_s", "dp_s", "nonprivate_cpu_s", "dp_cpu_s", "dp_ratio", "dp_peak_mem_ratio", "opacus_ghost_ratio",
     "opacus_hooks_ratio", "max_abs_err_vs_naive", "noise_ns_per_coordinate_one_thread",
-    "noise_ns_per_coordinate_every_core",
+    "noise_ns_per_coordinate_every_core", "dp_host_ops_ratio", "clip_shortfall",
 )
 
 
@@ -35,6 +35,11 @@ def test_bench_dp_step_prints_the_figures_as_json(capsys):
     assert result["dp_cpu_ratio"] == result["dp_cpu_s"] / result["nonprivate_cpu_s"] and result["dp_cpu_s"] > 0
     assert result["cores"] >= 1 and result["noise_ns_per_coordinate_one_thread"] > 0
     assert (result["target_ratio"], result["meets_target"]) == (None, None)  # the tiny preset has no target
+    work = result["work"]
+    assert work["dp"]["ops"] > work["nonprivate"]["ops"] > 100
+    assert result["dp_host_ops_ratio"] == work["dp"]["ops"] / work["nonprivate"]["ops"]
+    assert work["nonprivate"]["matmul_gflop_fp32"] > 0 and work["nonprivate"]["matmul_gflop_bf16"] == 0  # fp32 run
+    assert 0 <= result["clip_shortfall"] < 0.01
 
 
 def test_bench_dp_step_says_whether_a_paper_shaped_step_met_its_targets(capsys):
@@ -62,14 +67,26 @@ def test_bench_dp_step_times_a_logical_step_of_several_microbatches_phase_by_pha
     assert waited >= 0 and all(seconds > 0 for mode in result["phases_s"].values() for seconds in mode.values())
 
 
-def test_bench_without_the_secure_mode_times_the_others_and_the_tensor_core_sums_when_asked(capsys):
-    with pytest.warns(UserWarning, match="tensor_core_sums has no effect here"):  # a CPU: the mode is dp again
-        code = main(["bench", "dp-step", "--json", "--batch", "4", "--repeats", "1", "--warmup", "0", "--no-opacus",
-                     "--no-secure", "--tensor-core-sums"])
+def test_bench_without_the_secure_mode_times_the_others_and_the_strict_mode_when_asked(capsys):
+    code = main(["bench", "dp-step", "--json", "--batch", "4", "--repeats", "1", "--warmup", "0", "--no-opacus",
+                 "--no-secure", "--strict-float32", "--precision", "bf16"])
     assert code == 0
     result = json.loads(capsys.readouterr().out)
     assert "dp_secure_ratio" not in result and "opacus_ghost_ratio" not in result and result["dp_ratio"] > 0
-    assert result["dp_tensor_cores_ratio"] > 0 and result["dp_tensor_cores_peak_mem_ratio"] > 0
+    assert result["dp_strict_ratio"] > 0 and result["dp_strict_peak_mem_ratio"] > 0
+    assert 0 <= result["clip_shortfall"] < 0.01  # bfloat16 operands: the margins scale a clipped sample a little
+    work = result["work"]  # under bf16 the engine's Grams and sums are tensor-core matmuls on a GPU
+    assert work["dp"]["matmul_gflop_bf16"] > work["dp"]["matmul_gflop_fp32"] > 0
+
+
+def test_kernel_names_are_sorted_by_precision():
+    from tasks.benchmarks.dp_step import kernel_precision
+
+    assert kernel_precision("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64") == "matmul_bf16"
+    assert kernel_precision("cutlass_80_tensorop_s1688gemm_128x128_16x4_tn_align4") == "matmul_tf32"
+    assert kernel_precision("ampere_sgemm_128x64_tn") == "matmul_fp32"
+    assert kernel_precision("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>") \
+        == "other"
 
 
 def test_bench_at_a_narrow_width_times_the_presets_layers_with_little_compute(capsys):
@@ -102,7 +119,7 @@ def test_bench_on_cuda_without_a_gpu_is_a_one_line_error(capsys):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_bench_dp_step_on_cuda_times_the_gpu_steps_and_names_their_kernels(capsys):
     code = main(["bench", "dp-step", "--json", "--device", "cuda", "--batch", "8", "--repeats", "1", "--warmup", "1",
-                 "--precision", "bf16", "--tensor-core-sums"])
+                 "--precision", "bf16", "--strict-float32"])
     assert code == 0
     result = json.loads(capsys.readouterr().out)
     assert result["device"] == torch.cuda.get_device_name() and "phases_s" not in result
@@ -112,7 +129,8 @@ def test_bench_dp_step_on_cuda_times_the_gpu_steps_and_names_their_kernels(capsy
         kernels = result["kernels_s"][mode]["kernels"]
         assert kernels["all"] > 0 and sum(v for k, v in kernels.items() if k != "all") <= kernels["all"] + 1e-9
         assert "forward" in result["kernels_s"][mode]["ranges"]
-    assert result["max_abs_err_vs_naive"] < 1e-5 and result["dp_tensor_cores_ratio"] > 0
+        assert result["kernels_s"][mode]["by_precision"]["matmul_bf16"] > 0
+    assert result["max_abs_err_vs_naive"] < 1e-5 and result["dp_strict_ratio"] > 0
 
 
 def test_opacus_wrapper_computes_the_mae_loss():

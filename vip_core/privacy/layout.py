@@ -1,0 +1,275 @@
+"""The per-sample layout: the loss with per-sample stand-ins for plain parameters, and the one-time check that the
+model keeps its samples apart.
+
+The rules take row i of every kept layer input and output gradient, and of every plain parameter's stand-in, to be
+sample i's. :class:`LayoutCheck` verifies that once per model (:class:`~vip_core.privacy.engine.DPEngine`), on
+its first microbatches of two or more samples, until every layer and plain parameter was reached: the gradients of
+the first and the last sample's loss must be exactly zero in every other sample's rows of each layer's output and
+each stand-in, and of the floating-point inputs (samples mixed before the first layer). On the first training
+microbatch it also refuses a parameter reaching the loss outside its layer's own forward (tied weights, a
+functional use) and a module whose buffers the forward changed (running statistics computed from the batch). The
+model and loss code are the user's and honest (``docs/privacy.md``, the trust model): the check finds mistakes and
+unsupported layouts, it is not a defence against code that behaves differently once checked.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+logger = logging.getLogger(__name__)
+
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+Inputs = torch.Tensor | Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
+_CAST_NODES = ("ToCopyBackward0",)
+
+
+class UnsupportedLayerError(ValueError):
+    """A trainable layer or parameter the engine cannot clip per sample; the message names it."""
+
+
+def stand_ins(plain: list[tuple[str, nn.Parameter]], batch: int) -> dict[str, torch.Tensor]:
+    """A ``[B, ...]`` stand-in per plain ``[1, ...]`` parameter: row i is sample i's copy."""
+    return {name: p.detach().expand(batch, *p.shape[1:]).requires_grad_() for name, p in plain}
+
+
+def per_sample_losses(model: nn.Module, loss_fn: LossFn, inputs: Inputs, swapped: dict[str, torch.Tensor],
+                      batch: int) -> torch.Tensor:
+    """``loss_fn(model, inputs)`` (``[B]``) with each plain parameter replaced by its stand-in (only the parameter's
+    own entry: ``tie_weights=False``, since looking for other names of a tensor walks the whole model)."""
+    if swapped:
+        try:
+            losses = functional_call(_LossCall(model, loss_fn), {f"model.{k}": v for k, v in swapped.items()},
+                                     (inputs,), tie_weights=False)
+        except RuntimeError as error:
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise UnsupportedLayerError(
+                f"the model fails when its plain parameters ({', '.join(swapped)}) are given one copy per sample "
+                f"([B, ...]): {reason}. A [1, ...] parameter must be broadcast against the batch dimension only"
+            ) from error
+    else:
+        losses = loss_fn(model, inputs)
+    if not isinstance(losses, torch.Tensor) or losses.shape != (batch,):
+        shape = list(losses.shape) if isinstance(losses, torch.Tensor) else type(losses).__name__
+        raise ValueError(f"loss_fn must return one loss per sample, shape [{batch}], got {shape}")
+    return losses
+
+
+class _LossCall(nn.Module):
+    """``loss_fn(model, inputs)`` as a module, so ``functional_call`` can swap in the stand-ins."""
+
+    def __init__(self, model: nn.Module, loss_fn: LossFn) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, inputs: Inputs) -> torch.Tensor:
+        return self.loss_fn(self.model, inputs)
+
+
+class LayoutCheck:
+    """What is left to check of one model: the layers and plain parameters not reached yet, the inputs, and the
+    first training microbatch's parameter uses and buffers."""
+
+    def __init__(self, layers: list[tuple[str, nn.Module]], plain: list[tuple[str, nn.Parameter]],
+                 buffers: list[tuple[str, torch.Tensor]]) -> None:
+        self.layers = layers
+        self.plain = plain
+        self.unreached = {name for name, _ in layers} | {name for name, _ in plain}
+        self.inputs_checked = False
+        self.buffers = buffers
+        self.first_forward = True
+
+    def check(self, model: nn.Module, loss_fn: LossFn, inputs: Inputs, batch: int) -> None:
+        """Checks the layout on this microbatch while anything is left (a microbatch of one sample proves nothing)."""
+        if batch < 2 or (not self.unreached and self.inputs_checked):
+            return
+        with torch.autograd.set_detect_anomaly(False):  # it would raise on the NaN entries passed over
+            reached = self._check_layers(model, loss_fn, inputs, batch)
+            if reached is None:
+                return
+            self.unreached -= reached
+            if not self.inputs_checked:
+                self.inputs_checked = self._check_inputs(model, loss_fn, inputs, batch)
+
+    def buffer_versions(self) -> list[int] | None:
+        """The buffers' versions before the first training forward (None after it)."""
+        return [buffer._version for _, buffer in self.buffers] if self.first_forward else None
+
+    def check_first_forward(self, losses: torch.Tensor, before: list[int] | None,
+                            uses: dict[nn.Parameter, tuple[str, Any]]) -> None:
+        """After the first training forward: refuses a buffer it changed and a parameter used outside its layer
+        (``uses``: each parameter's name and its layer module, or None for a plain parameter)."""
+        if before is None:
+            return
+        self.first_forward = False
+        for (name, buffer), version in zip(self.buffers, before):
+            if buffer._version != version:
+                raise UnsupportedLayerError(
+                    f"buffer '{name}' changed in the training forward (e.g. running statistics): it would be computed "
+                    "from private data without noise and published with the weights; set its module to eval mode "
+                    "or stop it tracking statistics")
+        if losses.requires_grad:
+            _check_parameter_uses(losses, uses)
+
+    def _check_layers(self, model: nn.Module, loss_fn: LossFn, inputs: Inputs, batch: int) -> set[str] | None:
+        """The names reached by both checked samples' losses, or None when the microbatch proves nothing (a loss
+        not finite, a NaN in another sample's rows)."""
+        swapped = stand_ins(self.plain, batch)
+        outputs: list[tuple[str, torch.Tensor]] = []
+        handles = [module.register_forward_hook(_keep_output(name, outputs)) for name, module in self.layers]
+        try:
+            losses = per_sample_losses(model, loss_fn, inputs, swapped, batch)
+        finally:
+            for handle in handles:
+                handle.remove()
+        watched = [*swapped.items(), *outputs]
+        reached = Counter()
+        for sample in _checked_samples(batch):
+            if not _proves_something(losses[sample]):
+                return None
+            grads = torch.autograd.grad(losses[sample], [t for _, t in watched], retain_graph=True, allow_unused=True)
+            for (name, _), grad in zip(watched, grads):
+                if grad is None:
+                    continue
+                others = _other_rows(grad, sample)
+                if bool(others.isnan().any()):
+                    return None
+                if bool((others != 0).any()):
+                    raise UnsupportedLayerError(_mixing_message(name, swapped, sample))
+                reached[name] += 1
+        return {name for name, count in reached.items() if count == len(_checked_samples(batch))}
+
+    def _check_inputs(self, model: nn.Module, loss_fn: LossFn, inputs: Inputs, batch: int) -> bool:
+        """Refuses a model or loss in which the first or the last sample's loss depends on another sample's rows of
+        a floating-point or complex input (``x - x.mean(0)`` before the first layer), in a forward of its own.
+        NaN entries (0 · log 0) are passed over; a model that cannot run on inputs requiring grad (``.numpy()``) is
+        not checked here, and a warning says so. False when the microbatch proves nothing (a loss not finite)."""
+        watched_inputs, leaves = _watched_inputs(inputs)
+        if not leaves:
+            return True
+        per_sample = []
+        try:
+            losses = per_sample_losses(model, loss_fn, watched_inputs, stand_ins(self.plain, batch), batch)
+            for sample in _checked_samples(batch):
+                if not _proves_something(losses[sample]):
+                    return False
+                per_sample.append((sample, torch.autograd.grad(
+                    losses[sample], [leaf for _, leaf in leaves], retain_graph=True, allow_unused=True)))
+        except (RuntimeError, NotImplementedError, UnsupportedLayerError) as error:
+            logger.warning("the per-sample layout check left this model's inputs unchecked: its forward or loss_fn "
+                           "raised %s on inputs that require grad, so samples mixed before the first layer cannot be "
+                           "seen (docs/privacy.md, rule 5)", type(error).__name__)
+            return True
+        for sample, grads in per_sample:
+            for (name, _), grad in zip(leaves, grads):
+                others = None if grad is None else _other_rows(grad, sample)
+                if others is not None and bool(((others != 0) & ~others.isnan()).any()):
+                    raise UnsupportedLayerError(
+                        f"sample {sample}'s loss depends on other samples' rows of {name}: the model or loss_fn mixes "
+                        "samples (batch statistics such as x - x.mean(0), or a loss normalised over the batch), and "
+                        "per-sample clipping needs each sample's loss to depend on its own inputs only")
+        return True
+
+
+def _checked_samples(batch: int) -> list[int]:
+    """The samples whose losses the layout check differentiates: the first and the last."""
+    return sorted({0, batch - 1})
+
+
+def _proves_something(loss: torch.Tensor) -> bool:
+    return loss.requires_grad and bool(torch.isfinite(loss))
+
+
+def _other_rows(grad: torch.Tensor, sample: int) -> torch.Tensor:
+    return torch.cat([grad[:sample], grad[sample + 1:]])
+
+
+def _keep_output(name: str, outputs: list[tuple[str, torch.Tensor]]) -> Callable:
+    def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            outputs.append((name, output))
+
+    return hook
+
+
+def _watched_inputs(inputs: Inputs) -> tuple[Inputs, list[tuple[str, torch.Tensor]]]:
+    """``inputs`` with each floating-point or complex tensor replaced by a copy of a new leaf that requires grad (a
+    copy, so that the model may still write into it in place), and those leaves by name (``input``, ``input[k]``)."""
+    leaves: list[tuple[str, torch.Tensor]] = []
+
+    def watched(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if not (tensor.is_floating_point() or tensor.is_complex()):
+            return tensor
+        leaf = tensor.detach().requires_grad_()
+        leaves.append((name, leaf))
+        return leaf.clone()
+
+    if isinstance(inputs, torch.Tensor):
+        return watched("input", inputs), leaves
+    if isinstance(inputs, Mapping):
+        return {key: watched(f"input[{key!r}]", value) for key, value in inputs.items()}, leaves
+    return type(inputs)(watched(f"input[{index}]", value) for index, value in enumerate(inputs)), leaves
+
+
+def _mixing_message(name: str, swapped: dict[str, torch.Tensor], sample: int) -> str:
+    if name in swapped:
+        shape = [1, *swapped[name].shape[1:]]
+        return (f"plain parameter '{name}' {shape} is not broadcast against the batch alone: sample {sample}'s loss "
+                "reaches other samples' copies of it, so its per-sample gradient would mix samples (e.g. a [1, D] "
+                "parameter added to [B, T, D]); give it shape [1, 1, D]")
+    return (f"layer '{name}': sample {sample}'s loss reaches other rows of the layer's output, so dim 0 is not the "
+            "sample (a sequence-first or flattened layout); per-sample clipping needs the batch on dim 0")
+
+
+def _check_parameter_uses(losses: torch.Tensor, uses: dict[nn.Parameter, tuple[str, Any]]) -> None:
+    """Each layer parameter must reach the loss once per call of its layer that reaches the loss, and nowhere else;
+    a plain parameter only through its stand-in. Otherwise a gradient would escape clipping."""
+    edges, calls = _graph_uses(losses.grad_fn, set(uses))
+    for param, (name, layer) in uses.items():
+        expected = 0 if layer is None else calls[layer]
+        if edges[param] != expected:
+            raise UnsupportedLayerError(
+                f"a parameter of '{name}' reaches the loss {edges[param]} time(s) but its layer ran {expected} "
+                "time(s): it is used outside the layer's own forward (tied or functional use, or held as a buffer), "
+                "which cannot be clipped per sample")
+
+
+def _graph_uses(root: Any, params: set[nn.Parameter]) -> tuple[Counter, Counter]:
+    """From ``root``: how many autograd edges lead into each of ``params`` (through autocast casts), and how many
+    captured calls of each layer (a capture node's ``layer``) are reached."""
+    edges: Counter[nn.Parameter] = Counter()
+    calls: Counter[Any] = Counter()
+    seen, stack = {root}, [root]
+    while stack:
+        node = stack.pop()
+        layer = getattr(node, "layer", None)
+        if layer is not None:
+            calls[layer] += 1
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            param = _leaf_param(child)
+            if param is not None:
+                if param in params:
+                    edges[param] += 1
+            elif child not in seen:
+                seen.add(child)
+                stack.append(child)
+    return edges, calls
+
+
+def _leaf_param(node: Any) -> torch.Tensor | None:
+    """The parameter behind an AccumulateGrad node, or behind an autocast cast of one; else None."""
+    variable = getattr(node, "variable", None)
+    if variable is not None:
+        return variable
+    if node.name() in _CAST_NODES and len(node.next_functions) == 1:
+        (inner, _), = node.next_functions
+        return getattr(inner, "variable", None) if inner is not None else None
+    return None
