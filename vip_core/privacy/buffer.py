@@ -50,6 +50,8 @@ class GradientBuffer:
         """Adds ``values`` ``[L, n]`` (one row per parameter of one shape) to the sums of ``params``: one in-place
         addition where their rows are consecutive, else one ``index_add_``."""
         region, first = self.rows[id(params[0])]
+        if any(self.rows[id(param)][0] is not region for param in params):
+            raise ValueError("add_rows: the parameters do not share one shape's region of the buffer")
         rows = tuple(self.rows[id(param)][1] for param in params)
         if rows == tuple(range(first, first + len(rows))):
             region[first:first + len(rows)].add_(values)
@@ -71,10 +73,10 @@ class GradientBuffer:
 
 class StepNoise:
     """One step's Gaussian noise in the buffer's flat tensors (draw tensor ``k`` for the ``k``-th device), or zeros
-    when ``draw`` is None (σ = 0). A CUDA tensor's noise is drawn on the device at once (ordered before the sums on
-    its stream); a CPU tensor's by helper threads, block by block, started at once where torch's threads leave cores
-    idle, else when :meth:`wait` is first called (helpers competing with torch's threads would slow its matmuls more
-    than the draw costs)."""
+    when ``draw`` is None (σ = 0). A device's noise is drawn at once (on a CUDA device by its generators, ordered
+    before the sums on its stream; in secure mode on the CPU and copied); a CPU tensor's by helper threads, block by
+    block, started at once where torch's threads leave cores idle, else when :meth:`wait` is first called (helpers
+    competing with torch's threads would slow its matmuls more than the draw costs)."""
 
     def __init__(self, buffer: GradientBuffer, draw: GaussianDraw | None) -> None:
         self.futures: list[Future] = []
@@ -82,10 +84,10 @@ class StepNoise:
         for index, flat in enumerate(buffer.flats.values()):
             if draw is None:
                 flat.zero_()
-            elif draw.on_device(flat.device):
-                draw.fill_whole(index, flat)
-            else:
+            elif flat.device.type == "cpu":
                 self.pending.append((index, flat))
+            else:
+                draw.fill_whole(index, flat)
         self.draw = draw
         if self.pending and idle_cores() > 0:
             self._start()

@@ -141,8 +141,8 @@ class DPEngine:
         self.trainable = [p.requires_grad for p in self.parameters]
         self.plan = plan_model(model)
         self.buffer = GradientBuffer(self.plan.params)
-        self.layout = LayoutCheck([(layer.name, layer.module) for layer in self.plan.layers], self.plan.plain,
-                                  list(model.named_buffers()))
+        self.layout = LayoutCheck(model, [(layer.name, layer.module) for layer in self.plan.layers], self.plan.plain,
+                                  [(name, p) for name, p in model.named_parameters() if p.requires_grad])
         self.uses = {param: (layer.name, layer.module) for layer in self.plan.layers for param in layer.params}
         self.uses.update({param: (name, None) for name, param in self.plan.plain})
 
@@ -151,7 +151,10 @@ class DPEngine:
         whose parameters were frozen or unfrozen since it was planned is planned again."""
         if [p.requires_grad for p in self.parameters] != self.trainable:
             self._plan()
+        for name, module in self.plan.batch_norms:
+            _reject_batch_norm(name, module)  # a model may be put in training mode after it was planned
         if self.current is not None:
+            self.current.noise.stop()
             self.current.close("was given up for a newer sum of the same engine")
         self.current = ClippedGradientSum(self, noise_multiplier, noise)
         return self.current
@@ -279,12 +282,14 @@ class ModelPlan:
         plain: ``(qualified parameter name, parameter)`` for each plain parameter.
         params: every trainable parameter, in ``model.named_parameters()`` order.
         frozen: the parameters that are not trainable (their gradients are dropped each step).
+        batch_norms: the batch normalisation layers (refused whenever they are in training mode).
     """
 
     layers: list[Layer]
     plain: list[tuple[str, nn.Parameter]]
     params: list[nn.Parameter]
     frozen: list[nn.Parameter]
+    batch_norms: list[tuple[str, nn.Module]]
 
 
 def plan_model(model: nn.Module) -> ModelPlan:
@@ -318,7 +323,8 @@ def plan_model(model: nn.Module) -> ModelPlan:
             plain.append((qualified, param))
     params = [p for p in model.parameters() if p.requires_grad]
     frozen = [p for p in model.parameters() if not p.requires_grad]
-    return ModelPlan(layers, plain, params, frozen)
+    batch_norms = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    return ModelPlan(layers, plain, params, frozen, batch_norms)
 
 
 def _trainable(param: nn.Parameter | None) -> nn.Parameter | None:
@@ -339,9 +345,11 @@ def _supported_kind(name: str, module: nn.Module) -> str | None:
         cls = type(module)
         if isinstance(module, layer_type) and (cls.forward is layer_type.forward
                                                or f"{cls.__module__}.{cls.__qualname__}" in EQUIVALENT_SUBCLASSES):
-            if isinstance(module, nn.Embedding) and (module.scale_grad_by_freq or module.sparse):
+            if isinstance(module, nn.Embedding) and (module.scale_grad_by_freq or module.sparse
+                                                     or module.max_norm is not None):
                 raise UnsupportedLayerError(
-                    f"layer '{name}' (Embedding): scale_grad_by_freq and sparse gradients are not supported"
+                    f"layer '{name}' (Embedding): scale_grad_by_freq, sparse gradients and max_norm (which writes the "
+                    "looked-up rows into the weight) are not supported"
                 )
             return kind
     return None
@@ -506,11 +514,11 @@ def _add_microbatch(engine: DPEngine, loss_fn: LossFn, inputs: Inputs, real: int
     batch = batch_size_of(inputs)
     device = plan.params[0].device if plan.params else torch.device("cpu")
     engine.layout.check(model, loss_fn, _map(inputs, lambda t: t[:real]), real)
-    before = engine.layout.buffer_versions()
+    before = engine.layout.state()
     with record_function("vip.forward"), _Tape(plan.layers, batch) as tape:
         swapped = stand_ins(plan.plain, batch)
         losses = per_sample_losses(model, loss_fn, inputs, swapped, batch)
-    engine.layout.check_first_forward(losses, before, engine.uses)
+    engine.layout.check_forward(losses, before, engine.uses)
     realness = engine.real_rows(batch, real, device)
     plain_grads: tuple = (None,) * len(swapped)
     if losses.requires_grad:

@@ -5,9 +5,10 @@ The rules take row i of every kept layer input and output gradient, and of every
 sample i's. :class:`LayoutCheck` verifies that once per model (:class:`~vip_core.privacy.engine.DPEngine`), on
 its first microbatches of two or more samples, until every layer and plain parameter was reached: the gradients of
 the first and the last sample's loss must be exactly zero in every other sample's rows of each layer's output and
-each stand-in, and of the floating-point inputs (samples mixed before the first layer). On the first training
-microbatch it also refuses a parameter reaching the loss outside its layer's own forward (tied weights, a
-functional use) and a module whose buffers the forward changed (running statistics computed from the batch). The
+each stand-in, and of the floating-point inputs (samples mixed before the first layer). Every training forward is
+refused if it changed or replaced a buffer (running statistics computed from the batch); the first one also if it
+wrote to a parameter, or if a parameter reaches the loss outside its layer's own forward (tied weights, a
+functional use). The
 model and loss code are the user's and honest (``docs/privacy.md``, the trust model): the check finds mistakes and
 unsupported layouts, it is not a defence against code that behaves differently once checked.
 """
@@ -76,13 +77,17 @@ class LayoutCheck:
     """What is left to check of one model: the layers and plain parameters not reached yet, the inputs, and the
     first training microbatch's parameter uses and buffers."""
 
-    def __init__(self, layers: list[tuple[str, nn.Module]], plain: list[tuple[str, nn.Parameter]],
-                 buffers: list[tuple[str, torch.Tensor]]) -> None:
+    def __init__(self, model: nn.Module, layers: list[tuple[str, nn.Module]], plain: list[tuple[str, nn.Parameter]],
+                 params: list[tuple[str, nn.Parameter]]) -> None:
         self.layers = layers
         self.plain = plain
         self.unreached = {name for name, _ in layers} | {name for name, _ in plain}
         self.inputs_checked = False
-        self.buffers = buffers
+        # each buffer's module and name: a forward may update a buffer in place or assign it anew
+        self.buffers = [(f"{prefix}.{name}" if prefix else name, module, name)
+                        for prefix, module in model.named_modules() for name, buffer in module._buffers.items()
+                        if buffer is not None]
+        self.params = params  # checked on the first training forward only
         self.first_forward = True
 
     def check(self, model: nn.Module, loss_fn: LossFn, inputs: Inputs, batch: int) -> None:
@@ -97,23 +102,34 @@ class LayoutCheck:
             if not self.inputs_checked:
                 self.inputs_checked = self._check_inputs(model, loss_fn, inputs, batch)
 
-    def buffer_versions(self) -> list[int] | None:
-        """The buffers' versions before the first training forward (None after it)."""
-        return [buffer._version for _, buffer in self.buffers] if self.first_forward else None
+    def state(self) -> tuple[list, list[int] | None]:
+        """What a training forward must not change: each buffer (the tensor and its version), and on the first
+        training forward each trainable parameter's version."""
+        buffers = [(module._buffers.get(name), _version(module._buffers.get(name))) for _, module, name in self.buffers]
+        return buffers, [p._version for _, p in self.params] if self.first_forward else None
 
-    def check_first_forward(self, losses: torch.Tensor, before: list[int] | None,
-                            uses: dict[nn.Parameter, tuple[str, Any]]) -> None:
-        """After the first training forward: refuses a buffer it changed and a parameter used outside its layer
-        (``uses``: each parameter's name and its layer module, or None for a plain parameter)."""
-        if before is None:
-            return
-        self.first_forward = False
-        for (name, buffer), version in zip(self.buffers, before):
-            if buffer._version != version:
+    def check_forward(self, losses: torch.Tensor, before: tuple[list, list[int] | None],
+                      uses: dict[nn.Parameter, tuple[str, Any]]) -> None:
+        """After a training forward: refuses a buffer it changed or replaced; after the first one, also a parameter
+        it wrote to (an Embedding's ``max_norm`` renormalising the rows it looked up) and a parameter used outside
+        its layer (``uses``: each parameter's name and its layer module, or None for a plain parameter)."""
+        buffers, versions = before
+        for (name, module, key), (tensor, version) in zip(self.buffers, buffers):
+            now = module._buffers.get(key)
+            if now is not tensor or _version(now) != version:
                 raise UnsupportedLayerError(
                     f"buffer '{name}' changed in the training forward (e.g. running statistics): it would be computed "
                     "from private data without noise and published with the weights; set its module to eval mode "
                     "or stop it tracking statistics")
+        if versions is None:
+            return
+        self.first_forward = False
+        for (name, param), version in zip(self.params, versions):
+            if param._version != version:
+                raise UnsupportedLayerError(
+                    f"parameter '{name}' was written to in the training forward (e.g. an Embedding's max_norm "
+                    "renormalising the rows it looked up): private data would reach the weights without clipping "
+                    "or noise")
         if losses.requires_grad:
             _check_parameter_uses(losses, uses)
 
@@ -175,6 +191,10 @@ class LayoutCheck:
                         "samples (batch statistics such as x - x.mean(0), or a loss normalised over the batch), and "
                         "per-sample clipping needs each sample's loss to depend on its own inputs only")
         return True
+
+
+def _version(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor._version
 
 
 def _checked_samples(batch: int) -> list[int]:

@@ -235,13 +235,16 @@ class GaussianDraw:
         return device.type == "cuda" and not self.secure
 
     def fill_whole(self, index: int, out: torch.Tensor) -> None:
-        """Writes tensor ``index``'s whole noise into ``out`` (contiguous float32): block by block on the CPU, or on
-        the device where :meth:`on_device`."""
+        """Writes tensor ``index``'s whole noise into ``out`` (contiguous float32): on the device where
+        :meth:`on_device`, else block by block on the CPU (copied to ``out``'s device)."""
         if self.on_device(out.device):
             self._cuda_fill(index, out)
             return
+        host = out if out.device.type == "cpu" else torch.empty(out.shape, dtype=torch.float32)
         for block in self.blocks(out.numel()):
-            self.fill(index, out, block)
+            self.fill(index, host, block)
+        if host is not out:
+            out.copy_(host)
 
     def _cuda_fill(self, index: int, out: torch.Tensor) -> None:
         """The mean of two device Philox draws, each keyed by a 64-bit seed and a 62-bit offset of this tensor; the

@@ -184,6 +184,34 @@ def test_layers_of_one_shape_computed_together_give_each_its_own_clipped_sum(mon
     assert max(groups) == 3  # the three blocks' qkv (and proj, fc1, fc2) layers in one group each
 
 
+class SameSizesOtherShapes(nn.Module):
+    """Layers whose kept tensors have one shape but whose weights have others: a Linear [3, 4] beside a 1 x 1 Conv2d
+    [3, 4, 1, 1], a LayerNorm (6,) beside a LayerNorm (2, 3), and Conv2d kernels (1, 2) and (2, 2) reading 8 values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.lin = nn.Conv2d(4, 3, 1, bias=False), nn.Linear(4, 3, bias=False)
+        self.flat, self.square = nn.LayerNorm(6), nn.LayerNorm((2, 3))
+        self.wide, self.tall = nn.Conv2d(4, 3, (1, 2), stride=(1, 2)), nn.Conv2d(2, 3, 2, stride=2)
+
+    def forward(self, x):  # x: [B, 4, 2, 4]
+        pixels = x[:, :, :, :2]  # [B, 4, 2, 2]
+        first = self.conv(pixels).flatten(1) + self.lin(pixels.flatten(2).transpose(1, 2)).transpose(1, 2).flatten(1)
+        rows = x.reshape(-1, 4, 8)[:, :, :6]  # [B, 4, 6]
+        second = (self.flat(rows) * rows).sum((1, 2)) + (self.square(rows.view(-1, 4, 2, 3)) * rows.view(-1, 4, 2, 3)).sum((1, 2, 3))
+        third = self.wide(x).sum((1, 2, 3)) + self.tall(x[:, :2].repeat(1, 1, 2, 1)).sum((1, 2, 3))
+        return first.sum(1) + second + third  # [B]
+
+
+@pytest.mark.parametrize("materialise", [True, False], ids=["materialise", "ghost"])
+def test_layers_whose_weights_differ_in_shape_are_never_summed_as_one_group(monkeypatch, materialise):
+    """Grouped by their kept tensors' shapes alone, two such layers shared one row of the gradient buffer: one got both
+    clipped sums, the other none, and removing a sample moved the sum by up to √2·C (the review of 6 December)."""
+    monkeypatch.setattr(per_sample, "materialise_is_cheaper", lambda *_: materialise)
+    torch.manual_seed(0)
+    assert_matches_reference(SameSizesOtherShapes(), lambda m, x: m(x), torch.randn(5, 4, 2, 4), max_grad_norm=0.5)
+
+
 def test_microbatches_are_padded_to_the_physical_size_and_the_result_does_not_change():
     torch.manual_seed(0)
     vit, inputs = tiny_vit(), vit_inputs(7)
@@ -668,6 +696,45 @@ def test_unsupported_models_are_refused_naming_the_part(model, inputs, named):
     with pytest.raises(UnsupportedLayerError, match=named):
         privatized_gradients(model, loss, inputs, max_grad_norm=1.0, noise_multiplier=1.0,
                              expected_batch_size=2, noise=RandomStream(1, 0, "noise"))
+
+
+class ReassignsItsStatistics(nn.Module):
+    """Keeps a running mean of its input by assigning a new tensor to its buffer (not in place)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 4)
+        self.register_buffer("running_mean", torch.zeros(4))
+
+    def forward(self, x):
+        hidden = self.fc(x)
+        if self.training:
+            self.running_mean = 0.9 * self.running_mean + 0.1 * hidden.detach().mean((0, 1))
+        return hidden.sum((1, 2))
+
+
+def test_statistics_kept_by_reassigning_a_buffer_are_refused():
+    with pytest.raises(UnsupportedLayerError, match="buffer 'running_mean' changed in the training forward"):
+        engine_grads(ReassignsItsStatistics(), lambda m, x: m(x), torch.randn(4, 2, 3), 1.0)
+
+
+def test_an_embedding_that_renormalises_its_rows_is_refused():
+    """``max_norm`` writes the rows the private indices looked up into the weight, without clipping or noise."""
+    model = nn.Sequential(nn.Embedding(10, 4, max_norm=1.0), nn.Linear(4, 1))
+    with pytest.raises(UnsupportedLayerError, match="max_norm"):
+        engine_grads(model, lambda m, x: m(x).sum((1, 2)), torch.randint(0, 10, (4, 3)), 1.0)
+
+
+def test_batch_normalisation_put_in_training_mode_after_planning_is_refused():
+    """Planned in eval mode, then ``model.train()``, as a training loop does: batch statistics mix the samples."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4, affine=False), nn.Linear(4, 1)).eval()
+    dp = DPEngine(model, max_grad_norm=1.0)
+    step = dp.clipped_sum()
+    step.add(lambda m, x: m(x).sum(-1), torch.randn(4, 3))
+    step.privatize(expected_batch_size=4.0)
+    model.train()
+    with pytest.raises(UnsupportedLayerError, match="layer '1' .BatchNorm1d. mixes the samples"):
+        dp.clipped_sum()
 
 
 def test_a_frozen_parameters_stale_gradient_is_dropped():
