@@ -513,7 +513,8 @@ def _add_microbatch(engine: DPEngine, loss_fn: LossFn, inputs: Inputs, real: int
     plan, model = engine.plan, engine.model
     batch = batch_size_of(inputs)
     device = plan.params[0].device if plan.params else torch.device("cpu")
-    engine.layout.check(model, loss_fn, _map(inputs, lambda t: t[:real]), real)
+    if not engine.layout.done:
+        engine.layout.check(model, loss_fn, _map(inputs, lambda t: t[:real]), real)
     before = engine.layout.state()
     with record_function("vip.forward"), _Tape(plan.layers, batch) as tape:
         swapped = stand_ins(plan.plain, batch)

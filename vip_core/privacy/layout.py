@@ -90,9 +90,14 @@ class LayoutCheck:
         self.params = params  # checked on the first training forward only
         self.first_forward = True
 
+    @property
+    def done(self) -> bool:
+        """Whether every layer, plain parameter and the inputs were checked."""
+        return not self.unreached and self.inputs_checked
+
     def check(self, model: nn.Module, loss_fn: LossFn, inputs: Inputs, batch: int) -> None:
         """Checks the layout on this microbatch while anything is left (a microbatch of one sample proves nothing)."""
-        if batch < 2 or (not self.unreached and self.inputs_checked):
+        if batch < 2 or self.done:
             return
         with torch.autograd.set_detect_anomaly(False):  # it would raise on the NaN entries passed over
             reached = self._check_layers(model, loss_fn, inputs, batch)
