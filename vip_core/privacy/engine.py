@@ -43,7 +43,7 @@ from torch.profiler import record_function
 from vip_core.privacy import numerics, per_sample
 from vip_core.privacy.buffer import GradientBuffer, StepNoise
 from vip_core.privacy.layout import (
-    Inputs, LayoutCheck, LossFn, UnsupportedLayerError, per_sample_losses, stand_ins,
+    Inputs, LayoutCheck, LossFn, UnsupportedLayerError, WriteGuard, per_sample_losses, stand_ins,
 )
 from vip_core.privacy.numerics import Numerics
 from vip_core.privacy.per_sample import Layer, Norms, Record
@@ -135,22 +135,23 @@ class DPEngine:
         self._plan()
 
     def _plan(self) -> None:
-        """Plans the model as it is now: its rules, buffer and layout check."""
+        """Plans the model as it is now: its rules, gradient buffer, layout check and write guard."""
         model = self.model
-        self.parameters = list(model.parameters())
-        self.trainable = [p.requires_grad for p in self.parameters]
+        self.structure, self.modules = _structure(model)  # the modules are held: their ids cannot be reused
         self.plan = plan_model(model)
         self.buffer = GradientBuffer(self.plan.params)
-        self.layout = LayoutCheck(model, [(layer.name, layer.module) for layer in self.plan.layers], self.plan.plain,
-                                  [(name, p) for name, p in model.named_parameters() if p.requires_grad])
+        self.layout = LayoutCheck([(layer.name, layer.module) for layer in self.plan.layers], self.plan.plain)
+        self.guard = WriteGuard(list(model.named_modules()),
+                                [(name, p) for name, p in model.named_parameters() if p.requires_grad])
         self.uses = {param: (layer.name, layer.module) for layer in self.plan.layers for param in layer.params}
         self.uses.update({param: (name, None) for name, param in self.plan.plain})
 
     def clipped_sum(self, *, noise_multiplier: float = 0.0, noise: RandomStream | None = None) -> ClippedGradientSum:
         """A new logical batch's sum, its noise drawn into the buffer (a sum not privatized yet is given up). A model
         whose parameters were frozen or unfrozen since it was planned is planned again."""
-        if [p.requires_grad for p in self.parameters] != self.trainable:
-            self._plan()
+        structure, _ = _structure(self.model)
+        if structure != self.structure:
+            self._plan()  # a module or parameter replaced, frozen, unfrozen, or moved since
         for name, module in self.plan.batch_norms:
             _reject_batch_norm(name, module)  # a model may be put in training mode after it was planned
         if self.current is not None:
@@ -170,6 +171,14 @@ class DPEngine:
         if key not in self.masks:
             self.masks[key] = torch.arange(batch, device=device) < real
         return self.masks[key]
+
+
+def _structure(model: nn.Module) -> tuple[tuple, list[nn.Module]]:
+    """What the plan depends on: the model's modules and parameters (by identity), each parameter's requires_grad,
+    dtype and device; and the modules."""
+    modules = list(model.modules())
+    params = tuple((id(p), p.requires_grad, p.dtype, p.device) for p in model.parameters())
+    return (tuple(map(id, modules)), params), modules
 
 
 class ClippedGradientSum:
@@ -473,9 +482,14 @@ class _Tape:
         return args, {**kwargs, "input": layer_input.to(cast)}
 
     def _keep(self, module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor | None:
-        if not (torch.is_grad_enabled() and output.requires_grad):
-            return None
         record = self.records[module]
+        if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+            raise UnsupportedLayerError(
+                f"layer '{record.layer.name}' ran without autograd, or during the backward (reentrant activation "
+                "checkpointing), while its parameters are trainable: they would be trained on noise alone; freeze "
+                "them (requires_grad=False), or use torch.utils.checkpoint with use_reentrant=False")
+        if not output.requires_grad:
+            return None
         layer_input = (args[0] if args else kwargs["input"]).detach()
         if layer_input.shape[0] != self.batch or output.shape[0] != self.batch:
             raise UnsupportedLayerError(
@@ -513,13 +527,13 @@ def _add_microbatch(engine: DPEngine, loss_fn: LossFn, inputs: Inputs, real: int
     plan, model = engine.plan, engine.model
     batch = batch_size_of(inputs)
     device = plan.params[0].device if plan.params else torch.device("cpu")
+    before = engine.guard.snapshot()
     if not engine.layout.done:
         engine.layout.check(model, loss_fn, _map(inputs, lambda t: t[:real]), real)
-    before = engine.layout.state()
     with record_function("vip.forward"), _Tape(plan.layers, batch) as tape:
         swapped = stand_ins(plan.plain, batch)
         losses = per_sample_losses(model, loss_fn, inputs, swapped, batch)
-    engine.layout.check_forward(losses, before, engine.uses)
+    engine.layout.check_uses(losses, engine.uses)
     realness = engine.real_rows(batch, real, device)
     plain_grads: tuple = (None,) * len(swapped)
     if losses.requires_grad:
@@ -527,6 +541,7 @@ def _add_microbatch(engine: DPEngine, loss_fn: LossFn, inputs: Inputs, real: int
             weighted = losses.sum() if real == batch else torch.where(realness, losses, 0.0).sum()
             wanted = [tape.anchor, *swapped.values()]
             plain_grads = torch.autograd.grad(weighted, wanted, allow_unused=True)[1:]
+    engine.guard.check(before)
     with numerics.ieee_float32():
         norms = Norms(batch, device)
         with record_function("vip.norms"):

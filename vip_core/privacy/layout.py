@@ -5,10 +5,9 @@ The rules take row i of every kept layer input and output gradient, and of every
 sample i's. :class:`LayoutCheck` verifies that once per model (:class:`~vip_core.privacy.engine.DPEngine`), on
 its first microbatches of two or more samples, until every layer and plain parameter was reached: the gradients of
 the first and the last sample's loss must be exactly zero in every other sample's rows of each layer's output and
-each stand-in, and of the floating-point inputs (samples mixed before the first layer). Every training forward is
-refused if it changed or replaced a buffer (running statistics computed from the batch); the first one also if it
-wrote to a parameter, or if a parameter reaches the loss outside its layer's own forward (tied weights, a
-functional use). The
+each stand-in, and of the floating-point inputs (samples mixed before the first layer); and, on the first training
+forward, that no parameter reaches the loss outside its layer's own forward (tied weights, a functional use).
+:class:`WriteGuard` refuses, on every microbatch, a buffer or a parameter that the forwards or the backward changed. The
 model and loss code are the user's and honest (``docs/privacy.md``, the trust model): the check finds mistakes and
 unsupported layouts, it is not a defence against code that behaves differently once checked.
 """
@@ -77,18 +76,12 @@ class LayoutCheck:
     """What is left to check of one model: the layers and plain parameters not reached yet, the inputs, and the
     first training microbatch's parameter uses and buffers."""
 
-    def __init__(self, model: nn.Module, layers: list[tuple[str, nn.Module]], plain: list[tuple[str, nn.Parameter]],
-                 params: list[tuple[str, nn.Parameter]]) -> None:
+    def __init__(self, layers: list[tuple[str, nn.Module]], plain: list[tuple[str, nn.Parameter]]) -> None:
         self.layers = layers
         self.plain = plain
         self.unreached = {name for name, _ in layers} | {name for name, _ in plain}
         self.inputs_checked = False
-        # each buffer's module and name: a forward may update a buffer in place or assign it anew
-        self.buffers = [(f"{prefix}.{name}" if prefix else name, module, name)
-                        for prefix, module in model.named_modules() for name, buffer in module._buffers.items()
-                        if buffer is not None]
-        self.params = params  # checked on the first training forward only
-        self.first_forward = True
+        self.uses_checked = False
 
     @property
     def done(self) -> bool:
@@ -107,36 +100,12 @@ class LayoutCheck:
             if not self.inputs_checked:
                 self.inputs_checked = self._check_inputs(model, loss_fn, inputs, batch)
 
-    def state(self) -> tuple[list, list[int] | None]:
-        """What a training forward must not change: each buffer (the tensor and its version), and on the first
-        training forward each trainable parameter's version."""
-        buffers = [(module._buffers.get(name), _version(module._buffers.get(name))) for _, module, name in self.buffers]
-        return buffers, [p._version for _, p in self.params] if self.first_forward else None
-
-    def check_forward(self, losses: torch.Tensor, before: tuple[list, list[int] | None],
-                      uses: dict[nn.Parameter, tuple[str, Any]]) -> None:
-        """After a training forward: refuses a buffer it changed or replaced; after the first one, also a parameter
-        it wrote to (an Embedding's ``max_norm`` renormalising the rows it looked up) and a parameter used outside
-        its layer (``uses``: each parameter's name and its layer module, or None for a plain parameter)."""
-        buffers, versions = before
-        for (name, module, key), (tensor, version) in zip(self.buffers, buffers):
-            now = module._buffers.get(key)
-            if now is not tensor or _version(now) != version:
-                raise UnsupportedLayerError(
-                    f"buffer '{name}' changed in the training forward (e.g. running statistics): it would be computed "
-                    "from private data without noise and published with the weights; set its module to eval mode "
-                    "or stop it tracking statistics")
-        if versions is None:
-            return
-        self.first_forward = False
-        for (name, param), version in zip(self.params, versions):
-            if param._version != version:
-                raise UnsupportedLayerError(
-                    f"parameter '{name}' was written to in the training forward (e.g. an Embedding's max_norm "
-                    "renormalising the rows it looked up): private data would reach the weights without clipping "
-                    "or noise")
-        if losses.requires_grad:
+    def check_uses(self, losses: torch.Tensor, uses: dict[nn.Parameter, tuple[str, Any]]) -> None:
+        """On the first training forward: refuses a parameter used outside its layer (``uses``: each parameter's name
+        and its layer module, or None for a plain parameter)."""
+        if not self.uses_checked and losses.requires_grad:
             _check_parameter_uses(losses, uses)
+        self.uses_checked = True
 
     def _check_layers(self, model: nn.Module, loss_fn: LossFn, inputs: Inputs, batch: int) -> set[str] | None:
         """The names reached by both checked samples' losses, or None when the microbatch proves nothing (a loss
@@ -196,6 +165,41 @@ class LayoutCheck:
                         "samples (batch statistics such as x - x.mean(0), or a loss normalised over the batch), and "
                         "per-sample clipping needs each sample's loss to depend on its own inputs only")
         return True
+
+
+class WriteGuard:
+    """What a microbatch on private data (its forwards and backward) must not change: every module's buffers (which
+    names, which tensors, their versions; running statistics computed from the batch would be published without
+    noise) and every trainable parameter's version (private data written into a weight, by an Embedding's
+    ``max_norm``, a data-dependent initialisation or a unit recycled from an input, escapes clipping and noise)."""
+
+    def __init__(self, modules: list[tuple[str, nn.Module]], params: list[tuple[str, nn.Parameter]]) -> None:
+        self.modules = modules
+        self.params = params
+
+    def snapshot(self) -> tuple[list, list[int]]:
+        buffers = [tuple((key, tensor, _version(tensor)) for key, tensor in module._buffers.items())
+                   for _, module in self.modules]
+        return buffers, [param._version for _, param in self.params]
+
+    def check(self, before: tuple[list, list[int]]) -> None:
+        """Refuses, by name, a buffer or a parameter that changed since ``before`` (a :meth:`snapshot`)."""
+        buffers, versions = before
+        for (prefix, module), entries in zip(self.modules, buffers):
+            now = tuple(module._buffers.items())
+            if len(now) != len(entries) or any(key != old_key or tensor is not old or _version(tensor) != version
+                                               for (key, tensor), (old_key, old, version) in zip(now, entries)):
+                names = ", ".join(f"'{prefix}.{key}'" if prefix else f"'{key}'" for key, _ in now) or "(removed)"
+                raise UnsupportedLayerError(
+                    f"buffer {names} changed while training on private data (e.g. running statistics): it would be "
+                    "computed from private data without noise and published with the weights; set its module to "
+                    "eval mode or stop it tracking statistics")
+        for (name, param), version in zip(self.params, versions):
+            if param._version != version:
+                raise UnsupportedLayerError(
+                    f"parameter '{name}' was written to while training on private data (e.g. an Embedding's max_norm "
+                    "renormalising the rows it looked up, a data-dependent initialisation): private data would reach "
+                    "the weights without clipping or noise")
 
 
 def _version(tensor: torch.Tensor | None) -> int | None:
