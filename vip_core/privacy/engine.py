@@ -141,8 +141,7 @@ class DPEngine:
         self.plan = plan_model(model)
         self.buffer = GradientBuffer(self.plan.params)
         self.layout = LayoutCheck([(layer.name, layer.module) for layer in self.plan.layers], self.plan.plain)
-        self.guard = WriteGuard(list(model.named_modules()),
-                                [(name, p) for name, p in model.named_parameters() if p.requires_grad])
+        self.guard = WriteGuard(model)
         self.uses = {param: (layer.name, layer.module) for layer in self.plan.layers for param in layer.params}
         self.uses.update({param: (name, None) for name, param in self.plan.plain})
 
@@ -206,6 +205,7 @@ class ClippedGradientSum:
         with self._closed_on_error():
             for chunk, real in padded_microbatches(inputs, physical_batch_size):
                 _add_microbatch(self.engine, loss_fn, chunk, real, self)
+            self.engine.guard.check_structure()
 
     def privatize(self, *, expected_batch_size: float,
                   all_reduce: Callable[[torch.Tensor], None] | None = None) -> StepStats:

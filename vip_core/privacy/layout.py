@@ -21,6 +21,8 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 from torch.func import functional_call
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 logger = logging.getLogger(__name__)
 
@@ -132,20 +134,26 @@ class LayoutCheck:
                     return None
                 if bool((others != 0).any()):
                     raise UnsupportedLayerError(_mixing_message(name, swapped, sample))
-                reached[name] += 1
+                if bool((grad[sample] != 0).any()):  # a branch dropped for this sample shows nothing
+                    reached[name] += 1
         return {name for name, count in reached.items() if count == len(_checked_samples(batch))}
 
     def _check_inputs(self, model: nn.Module, loss_fn: LossFn, inputs: Inputs, batch: int) -> bool:
         """Refuses a model or loss in which the first or the last sample's loss depends on another sample's rows of
-        a floating-point or complex input (``x - x.mean(0)`` before the first layer), in a forward of its own.
-        NaN entries (0 · log 0) are passed over; a model that cannot run on inputs requiring grad (``.numpy()``) is
-        not checked here, and a warning says so. False when the microbatch proves nothing (a loss not finite)."""
+        an input (``x - x.mean(0)`` before the first layer), in a forward of its own: a floating-point or complex
+        input is watched as it is, an integer one (uint8 pixels, indices into a data set) where the model first turns
+        it into floating point (:class:`_WatchConversions`). NaN entries (0 · log 0) are passed over; a model that
+        cannot run on inputs requiring grad (``.numpy()``) is not checked here, and a warning says so. False when the
+        microbatch proves nothing (a loss not finite)."""
         watched_inputs, leaves = _watched_inputs(inputs)
-        if not leaves:
-            return True
+        conversions = _WatchConversions(inputs, batch)
         per_sample = []
         try:
-            losses = per_sample_losses(model, loss_fn, watched_inputs, stand_ins(self.plain, batch), batch)
+            with conversions:
+                losses = per_sample_losses(model, loss_fn, watched_inputs, stand_ins(self.plain, batch), batch)
+            leaves = leaves + conversions.leaves
+            if not leaves:
+                return True
             for sample in _checked_samples(batch):
                 if not _proves_something(losses[sample]):
                     return False
@@ -170,17 +178,29 @@ class LayoutCheck:
 class WriteGuard:
     """What a microbatch on private data (its forwards and backward) must not change: every module's buffers (which
     names, which tensors, their versions; running statistics computed from the batch would be published without
-    noise) and every trainable parameter's version (private data written into a weight, by an Embedding's
-    ``max_norm``, a data-dependent initialisation or a unit recycled from an input, escapes clipping and noise)."""
+    noise), every parameter's version, trainable or frozen (private data written into a weight, by an Embedding's
+    ``max_norm``, a data-dependent initialisation or a unit recycled from an input, escapes clipping and noise), and
+    the model's modules and parameters (one created or replaced in a forward would hold what it was made from).
+    Writes that bypass autograd's version counter (through ``.data``) are not seen: ``docs/privacy.md``, rule 5."""
 
-    def __init__(self, modules: list[tuple[str, nn.Module]], params: list[tuple[str, nn.Parameter]]) -> None:
-        self.modules = modules
-        self.params = params
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.modules = list(model.named_modules())
+        self.params = list(model.named_parameters())
+        self.structure = _structure_of(model)
 
     def snapshot(self) -> tuple[list, list[int]]:
         buffers = [tuple((key, tensor, _version(tensor)) for key, tensor in module._buffers.items())
                    for _, module in self.modules]
         return buffers, [param._version for _, param in self.params]
+
+    def check_structure(self) -> None:
+        """Refuses a module or parameter added to or replaced in the model by its forwards or backward."""
+        if _structure_of(self.model) != self.structure:
+            raise UnsupportedLayerError(
+                "a module or parameter was added to or replaced in the model while training on private data (a "
+                "lazily created layer, a weight re-made from an input): it could hold what it was made from; create "
+                "it before training")
 
     def check(self, before: tuple[list, list[int]]) -> None:
         """Refuses, by name, a buffer or a parameter that changed since ``before`` (a :meth:`snapshot`)."""
@@ -202,8 +222,45 @@ class WriteGuard:
                     "the weights without clipping or noise")
 
 
+def _structure_of(model: nn.Module) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The identities of the model's modules and parameters (the guard holds them, so an id is not reused)."""
+    return tuple(map(id, model.modules())), tuple(map(id, model.parameters()))
+
+
 def _version(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor._version
+
+
+class _WatchConversions(TorchFunctionMode):
+    """Watches where the model turns an integer input (or an integer tensor computed from one) into floating point
+    with the batch on dim 0 (``pixels.float() / 255``, ``images[indices]``): that result is replaced by a leaf that
+    requires grad, named after the input, so the input check can see the samples' rows mixed after it."""
+
+    def __init__(self, inputs: Inputs, batch: int) -> None:
+        super().__init__()
+        self.batch = batch
+        self.names = {id(t): name for name, t in _named_tensors(inputs) if not (t.is_floating_point() or t.is_complex())}
+        self.leaves: list[tuple[str, torch.Tensor]] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        sources = [self.names[id(a)] for a in tree_leaves((args, kwargs)) if id(a) in self.names]
+        if not sources or not isinstance(out, torch.Tensor) or out.dim() == 0 or out.shape[0] != self.batch:
+            return out
+        if not (out.is_floating_point() or out.is_complex()):
+            self.names[id(out)] = sources[0]  # still integer: follow it
+            return out
+        leaf = out.detach().requires_grad_()
+        self.leaves.append((f"{sources[0]} (made floating point by {getattr(func, '__name__', func)})", leaf))
+        return leaf.clone()
+
+
+def _named_tensors(inputs: Inputs) -> list[tuple[str, torch.Tensor]]:
+    if isinstance(inputs, torch.Tensor):
+        return [("input", inputs)]
+    if isinstance(inputs, Mapping):
+        return [(f"input[{key!r}]", value) for key, value in inputs.items()]
+    return [(f"input[{index}]", value) for index, value in enumerate(inputs)]
 
 
 def _checked_samples(batch: int) -> list[int]:

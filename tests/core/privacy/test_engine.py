@@ -818,6 +818,69 @@ def test_a_module_or_parameter_replaced_after_planning_is_planned_and_checked_ag
         step()
 
 
+class FrozenStatistics(nn.Module):
+    """Running statistics kept in frozen parameters, updated in place without autograd."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 4)
+        self.mean = nn.Parameter(torch.zeros(4), requires_grad=False)
+
+    def forward(self, x):
+        hidden = self.fc(x)
+        with torch.no_grad():
+            self.mean.mul_(0.9).add_(0.1 * hidden.mean((0, 1)))
+        return hidden.sum((1, 2))
+
+
+class CreatesAChildFromTheData(nn.Module):
+    """Registers a child module in its first forward, holding the batch's statistics."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 4)
+
+    def forward(self, x):
+        hidden = self.fc(x)
+        if not hasattr(self, "stats"):
+            self.stats = nn.Module()
+            self.stats.register_buffer("mean", hidden.detach().mean((0, 1)))
+        return hidden.sum((1, 2))
+
+
+@pytest.mark.parametrize(("model", "named"), [
+    (FrozenStatistics(), "parameter 'mean' was written to"),
+    (CreatesAChildFromTheData(), "a module or parameter was added to or replaced in the model"),
+], ids=["frozen-parameter", "child-module"])
+def test_private_data_kept_in_a_frozen_parameter_or_a_new_module_is_refused(model, named):
+    with pytest.raises(UnsupportedLayerError, match=named):
+        engine_grads(model, lambda m, b: m(b), torch.randn(4, 2, 3), 1.0)
+
+
+def standardised_pixels_loss(model, inputs):
+    """Pixels as uint8, made floating point and standardised over the batch: a mistake the input check must see."""
+    pixels = inputs.float() / 255
+    pixels = (pixels - pixels.mean(0)) / (pixels.std(0) + 1e-6)
+    return model(pixels).sum((1, 2))
+
+
+def test_samples_mixed_after_an_integer_input_is_made_floating_point_are_refused():
+    """uint8 pixels (as pre-training hands them over) and indices into a data set (as DP fine-tuning does) carry no
+    gradient: the check watches the floating-point tensor the model makes of them."""
+    pixels = torch.randint(0, 256, (4, 2, 3), dtype=torch.uint8)
+    with pytest.raises(UnsupportedLayerError, match=r"rows of input \(made floating point by float\)"):
+        engine_grads(nn.Linear(3, 1), standardised_pixels_loss, pixels, 1.0)
+    images = torch.randn(10, 2, 3)
+
+    def gathered(model, indices):
+        chosen = images[indices]  # [B, 2, 3]
+        return model(chosen - chosen.mean(0)).sum((1, 2))
+
+    with pytest.raises(UnsupportedLayerError, match=r"rows of input \(made floating point by __getitem__\)"):
+        engine_grads(nn.Linear(3, 1), gathered, torch.tensor([1, 4, 7, 2]), 1.0)
+    engine_grads(nn.Linear(3, 1), lambda m, i: m(images[i]).sum((1, 2)), torch.tensor([1, 4, 7, 2]), 1.0)
+
+
 def test_a_frozen_parameters_stale_gradient_is_dropped():
     model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
     model[0].weight.requires_grad_(False)
