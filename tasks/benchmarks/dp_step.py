@@ -33,8 +33,8 @@ modules and parameters are re-assembled so that it holds each token in a small
 submodule (:func:`opacus_mae`); the computation is the MAE's own. Our engine runs the MAE unmodified.
 
 Peak memory: a ``TorchDispatchMode`` counts the bytes of every tensor storage allocated during one step
-and frees them when the storage dies; the peak of that count plus the bytes of the parameters and the
-optimiser state held before the step is the step's peak. It measures tensors, not the allocator or
+and frees them when the storage dies; the peak of that count plus the bytes of the parameters, the
+optimiser state and the DP engine's gradient buffer held before the step is the step's peak. It measures tensors, not the allocator or
 the Python heap, identically for every mode, and runs apart from the timed rounds (it slows them).
 
 ``phases_s``: where a step's time goes, for ``nonprivate`` and ``dp``: the seconds in each range the steps and
@@ -289,7 +289,7 @@ def _private_step(base: Any, images: Any, physical: int, forward: Callable, *,
     def run() -> None:
         step(batch_of, loss)
 
-    return run, [model, step.optimizer]
+    return run, [model, step.optimizer, step.engine]
 
 
 def _opacus_step(base: Any, images: Any, forward: Callable, *, ghost: bool) -> tuple[Callable[[], None], list]:
@@ -496,7 +496,8 @@ def step_work(step: Callable[[], None]) -> dict[str, float]:
     updates included: each is a trip through the host's dispatcher, and most launch a kernel on a GPU);
     ``matmul_gflop_bf16`` and ``matmul_gflop_fp32``, its matmuls' GFLOP by the precision a GPU would run them in
     (bfloat16 operands, or float32 copies of bfloat16 tensors, which the engine multiplies on tensor cores there; and
-    float32); ``written_gb``, the bytes its operations write (a proxy for the memory traffic of everything else)."""
+    float32); ``written_gb``, the bytes its operations write into new or updated tensors, views left out (a proxy
+    for the memory traffic of everything else)."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
@@ -516,8 +517,11 @@ def step_work(step: Callable[[], None]) -> dict[str, float]:
                 flops = 2 * left.numel() * right.shape[-1] / 1e9
                 low = all(t.dtype == torch.bfloat16 or id(t) in copies_of_bf16 for t in (left, right))
                 work["matmul_gflop_bf16" if low else "matmul_gflop_fp32"] += flops
+            read = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            in_place = name.split(".")[0].endswith("_")
             work["written_gb"] += sum(t.numel() * t.element_size() for t in tree_leaves(out)
-                                      if isinstance(t, torch.Tensor)) / 1e9
+                                      if isinstance(t, torch.Tensor)
+                                      and (in_place or t.untyped_storage().data_ptr() not in read)) / 1e9
             return out
 
     with Count():
@@ -536,9 +540,14 @@ def _peak_bytes(step: Callable[[], None], held: list) -> int:
 def _held_bytes(objects: list) -> int:
     import torch
 
+    from vip_core.privacy.engine import DPEngine
+
     storages: dict[int, int] = {}
     for obj in objects:
-        tensors = list(obj.parameters()) if isinstance(obj, torch.nn.Module) else _optimizer_tensors(obj)
+        if isinstance(obj, DPEngine):  # its gradient buffer is kept from step to step
+            tensors = list(obj.buffer.flats.values())
+        else:
+            tensors = list(obj.parameters()) if isinstance(obj, torch.nn.Module) else _optimizer_tensors(obj)
         for tensor in tensors:
             storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
     return sum(storages.values())
