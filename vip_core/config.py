@@ -131,6 +131,10 @@ class IngestConfig(_Frozen):
     samples_per_shard: int = Field(1000, gt=0)
     max_punsafe: float = Field(0.5, ge=0, le=1, description="drop_nsfw also drops rows with punsafe above this")
     max_image_pixels: int = Field(89_478_485, gt=0, description="larger images are refused as decompression bombs")
+    distributor: Literal["multiprocessing", "ray"] = Field(
+        "multiprocessing", description="where the shards are downloaded and cleaned: this machine, or the Ray cluster "
+        "(RAY_ADDRESS, else a local Ray)")
+    rows_per_partition: int = Field(1_000_000, gt=0, description="images per deduplication partition (memory per task)")
 
     @field_validator("conditions")
     @classmethod

@@ -49,7 +49,7 @@ class UrlList:
 
     def urls(self) -> list[str | None]:
         """The URL of each row; None or blank where the row has none."""
-        return [_clean_url(value) for value in self.table.column(self.url_column).to_pylist()]
+        return [clean_url(value) for value in self.table.column(self.url_column).to_pylist()]
 
     def check_conditions(self, conditions: Sequence[Condition]) -> None:
         """Raises ValueError naming the first condition whose column the list lacks."""
@@ -117,7 +117,8 @@ def _find_column(table: pa.Table, candidates: Sequence[str]) -> str | None:
     return None
 
 
-def _clean_url(value: Any) -> str | None:
+def clean_url(value: Any) -> str | None:
+    """A URL cell as a stripped string; None where it is missing or blank."""
     if value is None:
         return None
     text = str(value).strip()
