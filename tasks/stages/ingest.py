@@ -50,8 +50,8 @@ from tasks.runtime.environment import configure_environment, state_paths
 from tasks.runtime.folders import StageFolder, eval_data_copy, identity
 from tasks.runtime.runner import Runner, task_runner
 from tasks.stages.ingest_shards import (
-    MANIFEST_SCHEMA, SHARD_PREFIX, Contamination, IngestLayout, JudgedShard, ShardWork, finalize_shards,
-    judge_shard, load_candidates, write_parquet,
+    MANIFEST_SCHEMA, SHARD_PREFIX, Contamination, IngestLayout, JudgedShard, ShardWork, fault_shard,
+    finalize_shards, judge_shard, load_candidates, write_parquet,
 )
 from vip_core.atomic import atomic_path, write_json
 from vip_core.config import IngestConfig, VipConfig
@@ -116,7 +116,8 @@ def run_ingest(
         StageFolder(layout.output, "ingest", _fingerprint(settings, urls, eval_hashes)).claim()
         shard_count = math.ceil(len(urls) / settings.samples_per_shard)
         if not all(layout.part(shard).exists() for shard in range(shard_count)):
-            work = ShardWork(layout, settings, sample_filter, contamination, urls.url_column, urls.caption_column)
+            work = ShardWork(layout, settings, sample_filter, contamination, urls.url_column, urls.caption_column,
+                             fault_shard())
             _write_inputs(layout, urls, settings.samples_per_shard)
             with task_runner(settings.distributor, CPUS_PER_TASK) as runner:
                 judged = _download_and_judge(runner, work, shard_count, lock)

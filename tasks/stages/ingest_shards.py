@@ -12,12 +12,17 @@ nodes share) and returns something small:
 
 Each writes its files whole (:mod:`vip_core.atomic`) and last the file that marks it done, so a task run
 again (after its node died, or the stage after a kill) finds its work done or starts it afresh.
+
+Fault injection for tests: ``VIP_INJECT_INGEST_KILL=SHARD`` makes the task judging shard SHARD kill its own
+process (SIGKILL) once per output folder, between writing the shard's images and its judged part.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import re
+import signal
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +43,7 @@ from vip_core.data.urllist import clean_url
 
 logger = logging.getLogger(__name__)
 
+FAULT_ENV = "VIP_INJECT_INGEST_KILL"
 SHARD_PREFIX = "web"
 CANDIDATE = "candidate"  # a judged row waiting for the deduplication
 STATUSES = ("kept", "failed", "filtered", "duplicate", "decontaminated")
@@ -147,6 +153,7 @@ class ShardWork:
     contamination: Contamination | None
     url_column: str
     caption_column: str | None
+    fault_shard: int | None = None  # FAULT_ENV, read where the stage starts
 
 
 class JudgedShard(NamedTuple):
@@ -173,12 +180,32 @@ def judge_shard(work: ShardWork, shard_id: int) -> JudgedShard:
         samples = [(record["key"], _sample_fields(work, record, rows[record["row"] - first_row], image))
                    for record, image in judged if record["status"] == CANDIDATE]
         write_shard(layout.candidates_tar(shard_id), samples)
+        _maybe_kill(work, shard_id)
         write_parquet(pa.Table.from_pylist([record for record, _ in judged], schema=MANIFEST_SCHEMA),
                       layout.judged_part(shard_id))
         layout.raw_tar(shard_id).unlink(missing_ok=True)
     table = pq.read_table(layout.judged_part(shard_id), columns=["key", "status"])
     keys = table.column("key").to_pylist()
     return JudgedShard(shard_id, min(map(int, keys)), int(pc.sum(pc.equal(table.column("status"), CANDIDATE)).as_py() or 0))
+
+
+def fault_shard() -> int | None:
+    """The shard whose judging task kills itself once (``VIP_INJECT_INGEST_KILL``), or None."""
+    spec = os.environ.get(FAULT_ENV, "").strip()
+    if not spec:
+        return None
+    if not spec.isdigit():
+        raise ValueError(f"{FAULT_ENV} must be a shard number, got {spec!r}")
+    return int(spec)
+
+
+def _maybe_kill(work: ShardWork, shard_id: int) -> None:
+    marker = work.layout.work / "fault-injected"
+    if work.fault_shard != shard_id or marker.exists():
+        return
+    marker.write_text(f"killed while judging shard {shard_id}\n")
+    logger.warning("fault injection: killing the process (pid %d) judging shard %d", os.getpid(), shard_id)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _judge(work: ShardWork, item: dict[str, Any], row: dict[str, Any], body: bytes | None) -> tuple[dict, Any]:
