@@ -44,8 +44,8 @@ KEPT, EXACT, PERCEPTUAL = 0, 1, 2
 REASONS = {EXACT: "exact", PERCEPTUAL: "perceptual"}
 UNDECIDED, REMOVED = -1, 2  # a greedy vertex's status: UNDECIDED, KEPT or REMOVED
 CONTENT_DTYPE = np.dtype("S32")  # the first 32 hex digits (128 bits) of the sha256: equal contents, equal keys
-_SPREAD = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: spreads clustered hashes evenly over partitions
-_MAX_PAIRS = 1 << 22  # pairs compared at once in find_edges (memory: about 100 MB)
+_MIX = (np.uint64(30), np.uint64(0xBF58476D1CE4E5B9), np.uint64(27), np.uint64(0x94D049BB133111EB), np.uint64(31))
+_MAX_PAIRS = 1 << 20  # pairs compared at once in find_edges (memory: about 60 MB)
 
 
 class Candidates(NamedTuple):
@@ -109,8 +109,14 @@ def partition_count(rows: int, rows_per_partition: int) -> int:
 
 
 def partition_of(values: np.ndarray, partitions: int) -> np.ndarray:
-    """The partition ``[n]`` of each uint64 value ``[n]``: its high bits after Fibonacci hashing, modulo ``partitions``."""
-    return ((values.astype(np.uint64) * _SPREAD) >> np.uint64(32)).astype(np.int64) % partitions
+    """The partition ``[n]`` of each uint64 value ``[n]``: the value mixed by splitmix64's finaliser (every bit of
+    it moves every bit of the result: masked hashes, whose low bits are all zero, spread evenly too), modulo
+    ``partitions``."""
+    first_shift, first_factor, second_shift, second_factor, last_shift = _MIX
+    mixed = values.astype(np.uint64)
+    mixed = (mixed ^ (mixed >> first_shift)) * first_factor
+    mixed = (mixed ^ (mixed >> second_shift)) * second_factor
+    return ((mixed ^ (mixed >> last_shift)) % np.uint64(partitions)).astype(np.int64)
 
 
 def _split(rows: NamedTuple, target: np.ndarray, partitions: int) -> list:
@@ -141,14 +147,15 @@ def split_by_owner(candidates: Candidates, partitions: int) -> list[Candidates]:
 def group_twins(*pieces: Candidates) -> Twins:
     """Step 2: one owner's candidates (its pieces from every chunk) grouped by identical perceptual hash."""
     candidates = _concat(pieces, Candidates)
-    order = np.lexsort((candidates.ids, candidates.phash))  # by hash, then id
+    order = np.argsort(candidates.phash)
     ids, content, phash = (column[order] for column in candidates)
-    first = np.ones(len(ids), dtype=bool)
-    first[1:] = phash[1:] != phash[:-1]  # [n]: leads its group of twins
-    leader_at = np.maximum.accumulate(np.where(first, np.arange(len(ids)), 0))  # [n]: its leader's position
-    leader_order = np.argsort(ids[first], kind="stable")
+    starts = np.flatnonzero(np.r_[True, phash[1:] != phash[:-1]]) if len(ids) else np.empty(0, np.int64)
+    group = np.repeat(np.arange(len(starts)), np.diff(np.r_[starts, len(ids)]))  # [n]: its group of twins
+    first = ids == (np.minimum.reduceat(ids, starts) if len(ids) else ids)[group]  # [n]: leads its group
+    leader_at = np.flatnonzero(first)[group]  # [n]: its leader's position
+    by_id = np.argsort(ids[first])
     return Twins(
-        leaders=Leaders(ids[first][leader_order], phash[first][leader_order]),
+        leaders=Leaders(ids[first][by_id], phash[first][by_id]),
         follower_ids=ids[~first],
         follower_leader=ids[leader_at][~first],
         same_content=(content == content[leader_at])[~first],
@@ -169,14 +176,17 @@ def find_edges(*pieces: Leaders, keys: BlockKeys, key: int, owners: int) -> list
     the leaders of one key partition (its pieces from every owner), cut by owner."""
     leaders = _concat(pieces, Leaders)
     mask = keys.masks[key]
-    order = np.lexsort((leaders.ids, leaders.phash & mask))  # by masked hash, then id
+    order = np.argsort(leaders.phash & mask)
     ids, phash = leaders.ids[order], leaders.phash[order]
     earlier, later = [], []  # positions of each edge's ends
-    for first, second in _pairs_sharing(phash & mask):  # first < second: the earlier id first
+    for first, second in _pairs_sharing(phash & mask):
         near = hamming_distances(phash[first], phash[second]) <= keys.max_distance
-        near &= keys.first_shared_mask(phash[first], phash[second]) == mask  # counted under one key only
-        earlier.append(first[near])
-        later.append(second[near])
+        first, second = first[near], second[near]
+        once = keys.first_shared_mask(phash[first], phash[second]) == mask  # counted under one key only
+        first, second = first[once], second[once]
+        swap = ids[first] > ids[second]
+        earlier.append(np.where(swap, second, first))
+        later.append(np.where(swap, first, second))
     earlier, later = np.concatenate(earlier), np.concatenate(later)
     owner = partition_of(phash, owners)  # [n]
     incoming = _split(Pair(ids[later], ids[earlier]), owner[later], owners)
@@ -378,13 +388,16 @@ def deduplicate(runner: Runner, chunks: Sequence[Any], *, candidates: int, max_d
 
 
 def _find_all_edges(runner: Runner, twins: list[Any], keys: BlockKeys, owners: int) -> list[list[Any]]:
-    """Each owner's pieces of the edges, found one key at a time (only one key's leaders are in flight)."""
+    """Each owner's pieces of the edges, found one key after another: a key's leaders are split while the last
+    key's edges are found, and no more than those two keys' leaders are in flight."""
     edges: list[list[Any]] = [[] for _ in range(owners)]
+    in_flight: list[Any] = []
     for key, mask in enumerate(keys.masks.tolist()):
         by_key = [runner.submit_split(split_by_key, owner_twins, mask, owners, count=owners) for owner_twins in twins]
+        runner.wait(in_flight)
         found = [runner.submit_split(find_edges, *(piece[part] for piece in by_key), keys=keys, key=key,
                                      owners=owners, count=owners) for part in range(owners)]
-        runner.wait([handle for handles in found for handle in handles])
+        in_flight = [handle for handles in found for handle in handles]
         for owner in range(owners):
             edges[owner].extend(handles[owner] for handles in found)
     return edges
