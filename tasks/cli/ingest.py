@@ -16,6 +16,9 @@ INGEST_FLAGS = {
     "--timeout": ("data.ingest.timeout_s", float, "seconds before a download is abandoned"),
     "--samples-per-shard": ("data.ingest.samples_per_shard", int, "url-list rows per shard"),
     "--min-side": ("data.ingest.min_side", int, "smallest allowed image side, in pixels"),
+    "--distributor": ("data.ingest.distributor", str, "multiprocessing (this machine) or ray (the cluster of "
+                      "RAY_ADDRESS, else a local Ray; --output then on storage every node shares)"),
+    "--rows-per-partition": ("data.ingest.rows_per_partition", int, "images per deduplication partition"),
 }
 
 

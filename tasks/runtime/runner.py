@@ -13,8 +13,9 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
-LOCAL, RAY = "multiprocessing", "ray"
-DISTRIBUTORS = (LOCAL, RAY)
+from vip_core.config import DISTRIBUTORS
+
+LOCAL, RAY = DISTRIBUTORS
 TASK_RETRIES = 3  # a task lost with its node (or its worker process) runs again elsewhere
 
 

@@ -109,3 +109,17 @@ def test_resume_continues_a_run_for_more_steps(local_ray, shards, tmp_path):
         run_pretrain(synthetic(4), "synthetic", shards, tmp_path / "out")
     more = run_pretrain(synthetic(4), "synthetic", shards, tmp_path / "out", resume=True)
     assert (first["steps"], more["steps"], more["resumes"]) == (2, 4, 1)
+
+
+def test_damaged_images_are_skipped_and_counted_and_the_run_finishes(local_ray, damaged_shards, tmp_path):
+    from tasks.stages.pretrain import run_pretrain
+
+    folder, damaged = damaged_shards  # 64 images, 4 of them damaged
+    config = with_overrides(get_preset("tiny"), {
+        "private.num_workers": 2, "private.cpus_per_worker": 0.5, "private.steps": 2, "private.batch_size": 64,
+        "private.physical_batch_size": 32, "private.checkpoint_every": 2,
+    })
+    result = run_pretrain(config, "private", folder, tmp_path / "out")
+    assert result["steps"] == 2 and result["dataset_size"] == 64 and result["sample_rate"] == 1.0
+    assert result["damaged_images_skipped"] == 2 * len(damaged)  # q = 1: every image in both steps
+    assert math.isfinite(result["loss"])
