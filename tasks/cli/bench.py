@@ -163,7 +163,8 @@ def handle_ingest(args: argparse.Namespace) -> int:
                           duplicate_share=args.dedup_duplicate_share)
     lines = [f"img2dataset alone {result['img2dataset_images_per_s']:8.1f} img/s   ingest stage "
              f"{result['stage_images_per_s']:8.1f} img/s   overhead {100 * result['overhead']:.1f}%",
-             f"target overhead < {100 * result['target_overhead']:.0f}%: {result['meets_target']}"]
+             f"target overhead < {100 * result['target_overhead']:.0f}%: {result['meets_target']}",
+             f"cleaning {result['clean_images_per_cpu_s']:8.1f} images per CPU-second of the stage's own process"]
     lines += [f"deduplication of {result[f'dedup_hashes_{size}']:>10,} hashes {result[f'dedup_s_{size}']:8.2f} s   "
               f"largest worker {result[f'dedup_peak_mb_{size}']:7.1f} MB ({result[f'dedup_partitions_{size}']} partitions)"
               for size in ("small", "large")]

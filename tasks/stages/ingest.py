@@ -43,6 +43,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Iterator
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -87,8 +88,9 @@ def run_ingest(
         config: the run's configuration; ``config.data.ingest`` drives this stage.
         url_list: a LAION-format parquet, csv or jsonl file.
         output: the folder for the clean shards, ``manifest.parquet`` and ``stats.json``: a local path, or an
-            fsspec URL (``s3://bucket/web``), where the finished shards, manifest and stats are uploaded from
-            a local staging folder (``$VIP_HOME/data/staging/…``, which keeps the work for a re-run).
+            fsspec URL (``s3://bucket/web``) with the work in a local staging folder (``$VIP_HOME/data/staging/…``,
+            which keeps it for a re-run): each clean shard is uploaded as soon as it is finished, the manifest and
+            ``stats.json`` last (the folder is complete once ``stats.json`` is there).
         eval_images: a folder of downstream evaluation images, local or an fsspec URL (copied once into
             ``$VIP_HOME/data/eval/``); near duplicates of them are removed.
 
@@ -101,23 +103,29 @@ def run_ingest(
         IngestError: img2dataset stopped early; running again resumes.
     """
     configure_environment()
-    if storage.is_url(output):
-        staged = run_ingest(config, url_list, staging_folder(str(output)), eval_images)
-        files = [Path(staged["output"]) / name for name in ("manifest.parquet", "stats.json")]
-        storage.put(list_shards(staged["output"], SHARD_PREFIX) + files, str(output))
-        return {**staged, "output": str(output), "staging": staged["output"]}
+    if not storage.is_url(output):
+        return _ingest(config, url_list, Path(output), eval_images, upload_to=None)
+    staged = _ingest(config, url_list, staging_folder(str(output)), eval_images, upload_to=str(output))
+    storage.put([Path(staged["output"]) / name for name in ("manifest.parquet", "stats.json")], str(output))
+    return {**staged, "output": str(output), "staging": staged["output"]}
+
+
+def _ingest(config: VipConfig, url_list: str | Path, output: Path, eval_images: str | Path | None,
+            upload_to: str | None) -> dict[str, Any]:
+    """The stage in the local folder ``output``, each clean shard also uploaded to the URL ``upload_to`` when given
+    (by the task that finishes it)."""
     settings = config.data.ingest
     urls = read_url_list(url_list)
     sample_filter = _sample_filter(settings)
     urls.check_conditions(sample_filter.conditions)
     contamination, eval_hashes = _contamination(eval_images, settings.decontaminate_max_distance)
-    layout = IngestLayout(Path(output).resolve())
+    layout = IngestLayout(output.resolve())
     with exclusive_use(layout) as lock:
         StageFolder(layout.output, "ingest", _fingerprint(settings, urls, eval_hashes)).claim()
         shard_count = math.ceil(len(urls) / settings.samples_per_shard)
         if not all(layout.part(shard).exists() for shard in range(shard_count)):
             work = ShardWork(layout, settings, sample_filter, contamination, urls.url_column, urls.caption_column,
-                             fault_shard())
+                             upload_to, fault_shard())
             _write_inputs(layout, urls, settings.samples_per_shard)
             with task_runner(settings.distributor, CPUS_PER_TASK) as runner:
                 judged = _download_and_judge(runner, work, shard_count, lock)
@@ -278,17 +286,16 @@ def _finish(layout: IngestLayout, shard_count: int, input_rows: int, samples_per
 def _write_inputs(layout: IngestLayout, urls: UrlList, samples_per_shard: int) -> None:
     """The url list as img2dataset reads it (:func:`write_img2dataset_input`) and as the shards' tasks read it
     (every column, one row group per shard), each written once."""
-    write_img2dataset_input(layout.url_input, urls.urls())
+    write_img2dataset_input(layout.url_input, urls)
     if not layout.rows.exists():
         with atomic_path(layout.rows) as partial:
             pq.write_table(urls.table, partial, row_group_size=samples_per_shard)
 
 
-def write_img2dataset_input(path: Path, urls: list[str | None]) -> Path:
-    """The url list as img2dataset reads it: ``url`` ("" where missing) and ``row``, written once."""
+def write_img2dataset_input(path: Path, urls: UrlList) -> Path:
+    """The url list as img2dataset reads it: ``url`` (``""`` where missing) and ``row``, written once."""
     if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        table = pa.table({"url": [url or "" for url in urls], "row": pa.array(range(len(urls)), pa.int64())})
+        table = pa.table({"url": urls.download_urls(), "row": pa.array(np.arange(len(urls), dtype=np.int64))})
         write_parquet(table, path)
     return path
 

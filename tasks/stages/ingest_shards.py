@@ -35,6 +35,7 @@ import pyarrow.parquet as pq
 
 from vip_core.atomic import atomic_path
 from vip_core.config import IngestConfig
+from vip_core.data import storage
 from vip_core.data.dedup import NOT_FOUND, HammingIndex, content_hash, perceptual_hash
 from vip_core.data.filters import SampleFilter, center_crop_resize, decode_web_image
 from vip_core.data.global_dedup import CONTENT_DTYPE, REASONS, Candidates, Decisions, merge_decisions
@@ -144,8 +145,8 @@ class Contamination:
 
 @dataclass(frozen=True)
 class ShardWork:
-    """What every shard's task needs: the folder, the settings, the filters, the evaluation images (or None)
-    and the url list's URL and caption columns."""
+    """What every shard's task needs: the folder, the settings, the filters, the evaluation images (or None),
+    the url list's URL and caption columns and the URL the clean shards go to (or None)."""
 
     layout: IngestLayout
     settings: IngestConfig
@@ -153,6 +154,7 @@ class ShardWork:
     contamination: Contamination | None
     url_column: str
     caption_column: str | None
+    upload_to: str | None = None  # the URL each clean shard is uploaded to once written, if any
     fault_shard: int | None = None  # FAULT_ENV, read where the stage starts
 
 
@@ -303,10 +305,10 @@ def finalize_shards(work: ShardWork, shard_ids: list[int], *pieces: Decisions) -
     decisions = merge_decisions(*pieces)
     for shard_id in shard_ids:
         if not work.layout.part(shard_id).exists():
-            _finalize(work.layout, shard_id, decisions)
+            _finalize(work.layout, shard_id, decisions, work.upload_to)
 
 
-def _finalize(layout: IngestLayout, shard_id: int, decisions: Decisions) -> None:
+def _finalize(layout: IngestLayout, shard_id: int, decisions: Decisions, upload_to: str | None) -> None:
     records = pq.read_table(layout.judged_part(shard_id), schema=MANIFEST_SCHEMA).to_pylist()
     width = len(records[0]["key"])
     shard = layout.clean_shard(shard_id)
@@ -318,6 +320,8 @@ def _finalize(layout: IngestLayout, shard_id: int, decisions: Decisions) -> None
                for sample in iter_samples([layout.candidates_tar(shard_id)]) if sample["__key__"] in kept]
     if samples:
         write_shard(shard, samples)
+        if upload_to is not None:
+            storage.put([shard], upload_to)
     write_parquet(pa.Table.from_pylist(records, schema=MANIFEST_SCHEMA), layout.part(shard_id))
     layout.candidates_tar(shard_id).unlink(missing_ok=True)
     logger.info("shard %d: %s", shard_id, dict(Counter(record["status"] for record in records)))

@@ -26,6 +26,7 @@ def test_bench_ingest_reports_both_rates_from_one_run():
     figures = json.loads(result.stdout)
     assert figures["img2dataset_images_per_s"] > 0 and figures["stage_images_per_s"] > 0
     assert figures["overhead"] == pytest.approx(figures["stage_seconds"] / figures["img2dataset_seconds"] - 1, abs=0.01)
+    assert figures["clean_images_per_cpu_s"] == pytest.approx(60 / figures["clean_cpu_s"], rel=0.01)
     assert (figures["dedup_hashes_small"], figures["dedup_hashes_large"]) == (20000, 80000)
     assert (figures["dedup_partitions_small"], figures["dedup_partitions_large"]) == (1, 4)
     assert figures["dedup_s_small"] > 0 and figures["dedup_s_large"] > 0
