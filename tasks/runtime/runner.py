@@ -11,7 +11,7 @@ argument reaches the function as its value, on whichever node it runs, through R
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Protocol, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from vip_core.config import DISTRIBUTORS
 
@@ -19,47 +19,31 @@ LOCAL, RAY = DISTRIBUTORS
 TASK_RETRIES = 3  # a task lost with its node (or its worker process) runs again elsewhere
 
 
-class Runner(Protocol):
-    """Runs functions, possibly elsewhere, and hands back their results."""
-
-    def submit(self, function: Callable, *args: Any, **kwargs: Any) -> Any:
-        """``function(*args, **kwargs)``: a handle to its result."""
-
-    def submit_split(self, function: Callable, *args: Any, count: int, **kwargs: Any) -> list[Any]:
-        """``function(*args, **kwargs)``, which returns a sequence of ``count`` items: a handle to each."""
-
-    def share(self, value: Any) -> Any:
-        """A handle to ``value`` that many submissions can take (stored once on Ray)."""
-
-    def environment(self) -> dict[str, str]:
-        """The variables a child process needs to submit work to the same place (``RAY_ADDRESS``)."""
-
-    def get(self, handles: Sequence[Any]) -> list[Any]:
-        """The values of ``handles``, waiting for them."""
-
-    def wait(self, handles: Sequence[Any]) -> None:
-        """Waits until ``handles`` are computed, without fetching them here."""
-
-
 class LocalRunner:
     """Runs each function at once, in this process; a handle is the value."""
 
     def submit(self, function: Callable, *args: Any, **kwargs: Any) -> Any:
+        """``function(*args, **kwargs)``: a handle to its result."""
         return function(*args, **kwargs)
 
     def submit_split(self, function: Callable, *args: Any, count: int, **kwargs: Any) -> list[Any]:
+        """``function(*args, **kwargs)``, which returns a sequence of ``count`` items: a handle to each."""
         return list(function(*args, **kwargs))
 
     def share(self, value: Any) -> Any:
+        """A handle to ``value`` that many submissions can take (stored once on Ray)."""
         return value
 
     def environment(self) -> dict[str, str]:
+        """The variables a child process needs to submit work to the same place (``RAY_ADDRESS`` on Ray)."""
         return {}
 
     def get(self, handles: Sequence[Any]) -> list[Any]:
+        """The values of ``handles``, waiting for them."""
         return list(handles)
 
     def wait(self, handles: Sequence[Any]) -> None:
+        """Waits until ``handles`` are computed, without fetching them here."""
         return None
 
 
@@ -104,6 +88,9 @@ def _call_listed(function: Callable, kwargs: dict[str, Any], *args: Any) -> Any:
     """A sequence-returning function's result as Ray's ``num_returns`` wants it: the one item when one."""
     items = list(function(*args, **kwargs))
     return items[0] if len(items) == 1 else items
+
+
+Runner = LocalRunner | RayRunner  # both also meet vip_core.data.global_dedup.Runner, what the deduplication needs
 
 
 @contextlib.contextmanager

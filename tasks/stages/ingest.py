@@ -213,10 +213,13 @@ def _blocks(judged: list[JudgedShard], candidates_per_block: int) -> list[list[J
     """Consecutive shards grouped so that each group holds about ``candidates_per_block`` candidates at most (a
     larger shard alone)."""
     blocks: list[list[JudgedShard]] = [[]]
+    in_block = 0
     for shard in judged:
-        if blocks[-1] and sum(s.candidates for s in blocks[-1]) + shard.candidates > candidates_per_block:
+        if blocks[-1] and in_block + shard.candidates > candidates_per_block:
             blocks.append([])
+            in_block = 0
         blocks[-1].append(shard)
+        in_block += shard.candidates
     return blocks
 
 

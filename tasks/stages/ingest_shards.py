@@ -170,25 +170,26 @@ class JudgedShard(NamedTuple):
 
 
 def judge_shard(work: ShardWork, shard_id: int) -> JudgedShard:
-    """Judges raw shard ``shard_id``: writes its candidates' images, then its judged part; removes the raw tar."""
+    """Judges raw shard ``shard_id``: writes its candidates' images, then its judged part; removes the raw tar.
+    Holds one decoded image at a time, and the candidates' resized images."""
     layout = work.layout
     if not layout.judged_part(shard_id).exists():
         rows = pq.ParquetFile(layout.rows).read_row_group(shard_id).to_pylist()
         first_row = shard_id * work.settings.samples_per_shard
         bodies = {sample["__key__"]: sample.get("jpg", b"") for sample in iter_samples([layout.raw_tar(shard_id)])}
         downloads = sorted(pq.read_table(layout.raw_meta(shard_id)).to_pylist(), key=lambda item: item["key"])
-        judged = [_judge(work, item, rows[int(item["row"]) - first_row], bodies.get(item["key"])) for item in downloads]
-        _decontaminate(work, judged)
-        samples = [(record["key"], _sample_fields(work, record, rows[record["row"] - first_row], image))
-                   for record, image in judged if record["status"] == CANDIDATE]
-        write_shard(layout.candidates_tar(shard_id), samples)
+        judged = [_judge(work, item, rows[int(item["row"]) - first_row], bodies.pop(item["key"], None))
+                  for item in downloads]
+        _decontaminate(work, [record for record, _ in judged])
+        write_shard(layout.candidates_tar(shard_id),
+                    [(record["key"], fields) for record, fields in judged if record["status"] == CANDIDATE])
         _maybe_kill(work, shard_id)
         write_parquet(pa.Table.from_pylist([record for record, _ in judged], schema=MANIFEST_SCHEMA),
                       layout.judged_part(shard_id))
         layout.raw_tar(shard_id).unlink(missing_ok=True)
     table = pq.read_table(layout.judged_part(shard_id), columns=["key", "status"])
-    keys = table.column("key").to_pylist()
-    return JudgedShard(shard_id, min(map(int, keys)), int(pc.sum(pc.equal(table.column("status"), CANDIDATE)).as_py() or 0))
+    candidates = pc.sum(pc.equal(table.column("status"), CANDIDATE)).as_py() or 0
+    return JudgedShard(shard_id, min(int(key) for key in table.column("key").to_pylist()), candidates)
 
 
 def fault_shard() -> int | None:
@@ -210,8 +211,9 @@ def _maybe_kill(work: ShardWork, shard_id: int) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _judge(work: ShardWork, item: dict[str, Any], row: dict[str, Any], body: bytes | None) -> tuple[dict, Any]:
-    """One downloaded row's record (failed, filtered, or a candidate with its hashes) and its decoded image."""
+def _judge(work: ShardWork, item: dict[str, Any], row: dict[str, Any], body: bytes | None) -> tuple[dict, dict | None]:
+    """One downloaded row's record (failed, filtered, or a candidate with its hashes) and, for a candidate, its
+    sample's fields (the image centre-cropped, resized and encoded, and its metadata)."""
     record = {"row": int(item["row"]), "key": item["key"], "url": clean_url(row.get(work.url_column))}
     if record["url"] is None:
         return _verdict(record, "failed", "no_url"), None
@@ -227,12 +229,13 @@ def _judge(work: ShardWork, item: dict[str, Any], row: dict[str, Any], body: byt
     if reason is not None:
         return _verdict(record, "filtered", reason), None
     record["phash"] = f"{perceptual_hash(image):016x}"
-    return _verdict(record, CANDIDATE, None), image
+    record = _verdict(record, CANDIDATE, None)
+    return record, _sample_fields(work, record, row, image)
 
 
-def _decontaminate(work: ShardWork, judged: list[tuple[dict, Any]]) -> None:
+def _decontaminate(work: ShardWork, records: list[dict[str, Any]]) -> None:
     """Marks the candidates near an evaluation image ``decontaminated``, naming it."""
-    candidates = [record for record, _ in judged if record["status"] == CANDIDATE]
+    candidates = [record for record in records if record["status"] == CANDIDATE]
     if work.contamination is None or not candidates:
         return
     for record, label in zip(candidates, work.contamination.matches([int(r["phash"], 16) for r in candidates])):

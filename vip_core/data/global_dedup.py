@@ -10,8 +10,8 @@ The work is cut so that no step holds more than one partition (the caller's orch
 between steps; every function here is pure and runs anywhere):
 
 1. :func:`split_by_owner` sends every candidate to the *owner* partition of its perceptual hash.
-2. :func:`group_twins`, per owner: candidates with an identical perceptual hash are *twins*; the first is
-   the *leader*, the others follow its fate (kept leader: they repeat it, ``exact`` when their content hash
+2. :func:`group_twins`, per owner: candidates with an identical perceptual hash are *twins*; the first in id
+   order is the *leader*, the others follow its fate (kept leader: they repeat it, ``exact`` when their content hash
    equals its; a leader that repeats K: they repeat K). Exact duplicates are twins, so only leaders, with
    distinct perceptual hashes, go on.
 3. For each block key (:class:`~vip_core.data.dedup.BlockKeys`): :func:`split_by_key` sends each leader to
