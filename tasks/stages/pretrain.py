@@ -422,23 +422,23 @@ class WorkerRun:
         return not self.plan["private"] or self.config.privacy.log_private_statistics
 
     def batch(self, local: torch.Tensor, stream: Any) -> tuple[torch.Tensor, ...]:
-        """The step's inputs: the sample's decoded images [k, 3, H, W] (uint8, from the pipeline) and whether each
-        is usable [k] (a damaged one is skipped, and counted), one row of masking noise per sample [k, L] and,
-        with ``augmentation: rrc_flip``, one crop box and flip per sample [k, 5], both from the step's per-sample
-        stream."""
-        decoded, noise = self.pipeline.pixels(local), stream.uniform((len(local), self.model.num_patches))
+        """The step's inputs: the sample's decoded images [k, 3, H, W] (uint8, from the pipeline), one row of
+        masking noise per sample [k, L] and, with ``augmentation: rrc_flip``, one crop box and flip per sample
+        [k, 5], both from the step's per-sample stream. An image that did not decode is left out, with its rows
+        (drawn all the same), and counted: it contributes nothing to the step (:mod:`vip_core.train.data`)."""
+        decoded = self.pipeline.pixels(local)
+        inputs = (decoded.pixels, stream.uniform((len(local), self.model.num_patches)))
+        if self.training.augmentation != "none":
+            inputs += (draw_crop_flips(stream, len(local), scale=self.training.crop_scale,
+                                       ratio=self.training.crop_ratio),)
         self.damaged += int((~decoded.usable).sum())
-        if self.training.augmentation == "none":
-            return decoded.pixels, decoded.usable, noise
-        crops = draw_crop_flips(stream, len(local), scale=self.training.crop_scale, ratio=self.training.crop_ratio)
-        return decoded.pixels, decoded.usable, noise, crops
+        return inputs if bool(decoded.usable.all()) else tuple(value[decoded.usable] for value in inputs)
 
     def loss(self, model: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """The MAE's per-sample loss [b] of uint8 images ``inputs[0]`` under masks ``inputs[2]`` (cropped and
-        flipped by ``inputs[3]`` when there is one), normalised on the model's device, in the stage's precision;
-        exactly 0 for a damaged image (``inputs[1]`` False): it contributes nothing."""
-        pixels, usable, noise, *crops = inputs  # [b, 3, H, W] uint8, [b] bool, [b, L], [] or [[b, 5]]
-        return mae_loss(model, pixels, noise, self.training.precision, *crops, usable=usable)  # [b]
+        """The MAE's per-sample loss [b] of uint8 images ``inputs[0]`` under masks ``inputs[1]`` (cropped and
+        flipped by ``inputs[2]`` when there is one), normalised on the model's device, in the stage's precision."""
+        pixels, noise, *crops = inputs  # pixels: [b, 3, H, W] uint8, noise: [b, L], crops: [] or [[b, 5]]
+        return mae_loss(model, pixels, noise, self.training.precision, *crops)  # [b]
 
     def metrics(self, report: StepReport | None, rank: int) -> dict[str, float]:
         """The metrics of the step just taken: step, lr, ε (private, rank 0) and, where allowed, loss and images/s."""

@@ -16,11 +16,11 @@ The data set's fingerprint (:func:`measure_shards`: shard names and sizes and wh
 its privacy ledger and ties a resumed run to the data it started on.
 
 Damaged images. An image whose bytes do not decode whole (truncated, not an image, a decompression bomb) is
-*skipped*: :meth:`ShardPartition.decode` returns it as zeros marked not ``usable``, and the training loss
-(:func:`vip_core.train.pipeline.mae_loss`) gives it a loss of exactly zero, so its gradient, clipped or not, is
-zero: it contributes nothing to the step, while the Poisson sampling, the expected batch size the sum is divided
-by and the noise stay as planned (the accountant's q is unchanged). A shard that cannot be read at all is an
-error naming it. ``vip shards --check DIR`` lists the damaged images of a folder before a run.
+*skipped*: :meth:`ShardPartition.decode` returns it as zeros marked not ``usable``, and the training step's batch
+leaves it out of the sample it hands the private step, so it contributes nothing to the clipped sum (as a
+sample whose gradient is zero would), while the Poisson sampling, the expected batch size the sum is divided by
+and the noise stay as planned (the accountant's q is unchanged). A shard that cannot be read at all is an error
+naming it. ``vip shards --check DIR`` lists the damaged images of a folder before a run.
 """
 
 from __future__ import annotations

@@ -78,19 +78,17 @@ def decode_workers(cpus: float) -> int:
 
 
 def mae_loss(model: nn.Module, pixels: torch.Tensor, noise: torch.Tensor, precision: str,
-             crops: torch.Tensor | None = None, usable: torch.Tensor | None = None) -> torch.Tensor:
+             crops: torch.Tensor | None = None) -> torch.Tensor:
     """The MAE's per-sample loss ``[b]`` (float32) of uint8 images ``pixels`` ``[b, 3, H, W]`` under masking noise
     ``noise`` ``[b, L]``: both moved to the model's device, each image cropped and flipped there by its row of
-    ``crops`` ``[b, 5]`` when given (:mod:`vip_core.train.augment`), then normalised, the forward in ``precision``.
-    Where ``usable`` ``[b]`` is False (a damaged image) the loss is exactly 0, and so is the sample's gradient."""
+    ``crops`` ``[b, 5]`` when given (:mod:`vip_core.train.augment`), then normalised, the forward in ``precision``."""
     device = next(model.parameters()).device
     pixels = pixels.to(device, non_blocking=True)  # [b, 3, H, W] uint8
     if crops is not None:
         pixels = apply_crop_flips(pixels.float(), crops)  # [b, 3, H, W] float in 0..255
     imgs = normalise(pixels)  # imgs: [b, 3, H, W]
     with autocast(precision, device):
-        losses = model(imgs, noise=noise.to(device))[0].float()  # [b]
-    return losses if usable is None else torch.where(usable.to(device), losses, 0.0)  # [b]
+        return model(imgs, noise=noise.to(device))[0].float()  # [b]
 
 
 class InputPipeline:

@@ -290,23 +290,3 @@ def test_a_sample_is_decoded_in_balanced_jobs_of_at_least_min_chunk_images_at_mo
     assert sizes & expected == expected  # the step taken; the step drawn ahead (the same sample at q = 1) may
     assert sizes - expected <= expected  # have been decoded too, or part of it, before close() cancelled it
 
-
-def test_a_damaged_images_loss_and_its_gradient_are_exactly_zero():
-    from vip_core.config import tiny
-    from vip_core.models.mae import build_mae
-    from vip_core.train.pipeline import mae_loss
-
-    torch.manual_seed(0)
-    model = build_mae(tiny().model)
-    pixels = torch.randint(0, 256, (3, 3, 32, 32), dtype=torch.uint8)  # [3, 3, H, W]
-    pixels[1] = 0  # a damaged image, as decoded
-    noise = torch.rand(3, model.num_patches)
-    usable = torch.tensor([True, False, True])
-    losses = mae_loss(model, pixels, noise, "fp32", usable=usable)  # [3]
-    assert losses[1] == 0
-    assert torch.equal(losses[[0, 2]], mae_loss(model, pixels, noise, "fp32")[[0, 2]])
-    params = [param for param in model.parameters() if param.requires_grad]
-    gradients = torch.autograd.grad(losses[1], params, allow_unused=True, retain_graph=True)  # its per-sample gradient
-    assert all(grad is None or torch.count_nonzero(grad) == 0 for grad in gradients)
-    assert any(torch.count_nonzero(grad) > 0 for grad in torch.autograd.grad(losses[0], params, allow_unused=True)
-               if grad is not None)

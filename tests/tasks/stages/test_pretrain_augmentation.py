@@ -40,18 +40,18 @@ def step_inputs(loop_config: dict, steps: int = 2) -> list[tuple[torch.Tensor, .
 
 
 def crop_rows(inputs: list[tuple[torch.Tensor, ...]]) -> list[tuple[float, ...]]:
-    return [tuple(row.tolist()) for pixels, usable, noise, crops in inputs for row in crops]
+    return [tuple(row.tolist()) for pixels, noise, crops in inputs for row in crops]
 
 
 def test_a_private_samples_crop_and_flip_are_fresh_in_every_step_and_every_run(shards):  # noqa: F811
     loop_config = worker_loop_config(tiny_config(**AUGMENTED), shards)
     first, second = step_inputs(loop_config), step_inputs(loop_config)
-    assert all(len(inputs) == 4 and inputs[3].shape == (len(inputs[0]), 5) for inputs in first + second)
+    assert all(len(inputs) == 3 and inputs[2].shape == (len(inputs[0]), 5) for inputs in first + second)
     rows_first, rows_second = crop_rows(first), crop_rows(second)
     assert len(set(rows_first)) == len(rows_first)  # no two samples, of one step or of two, share a crop
     assert not set(rows_first) & set(rows_second)  # nor two runs of one config
     image = first[0][0][:1].expand(2, -1, -1, -1).float()  # one image, under two draws
-    crops = torch.stack([first[0][3][0], second[0][3][0]])
+    crops = torch.stack([first[0][2][0], second[0][2][0]])
     augmented = apply_crop_flips(image, crops)
     assert not torch.equal(augmented[0], augmented[1])
 
@@ -70,9 +70,9 @@ def test_without_augmentation_the_step_gets_the_images_and_masks_and_the_loss_is
         inputs = run.batch(local, run.step.streams.sample)
     finally:
         run.pipeline.close()
-    assert len(inputs) == 3
-    pixels, usable, noise = inputs  # [k, 3, H, W] uint8, [k] bool, [k, L]
-    assert pixels.dtype == torch.uint8 and noise.shape == (len(local), run.model.num_patches) and usable.all()
+    assert len(inputs) == 2
+    pixels, noise = inputs  # [k, 3, H, W] uint8, [k, L]
+    assert pixels.dtype == torch.uint8 and noise.shape == (len(local), run.model.num_patches)
     if len(local):
         expected = run.model(normalise(pixels), noise=noise)[0]  # [k]
         assert torch.allclose(run.loss(run.model, inputs), expected)
