@@ -87,3 +87,30 @@ def s3(s3_server):
     import s3fs
 
     return s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_server})
+
+
+DAMAGES = {  # how a stored image can be damaged: its JPEG bytes to the bytes stored
+    "cut": lambda jpeg: jpeg[: len(jpeg) // 2],
+    "html": lambda jpeg: b"<html><body>not found</body></html>",
+    "noise": lambda jpeg: bytes(range(256)) * 4,
+    "empty": lambda jpeg: b"",
+}
+
+
+@pytest.fixture(scope="session")
+def damaged_shards(tmp_path_factory):
+    """``(folder, damaged)``: 64 JPEG images of noise in two shards of 32, four of them damaged in each way of
+    ``DAMAGES``; ``damaged`` maps each damaged member's name (``00005.jpg``) to its shard's name."""
+    import numpy as np
+    from PIL import Image
+
+    from vip_core.data.shards import ShardWriter, encode_image
+
+    folder = tmp_path_factory.mktemp("damaged-shards")
+    where = {5: "cut", 20: "html", 40: "noise", 63: "empty"}
+    with ShardWriter(folder, prefix="web", samples_per_shard=32) as writer:
+        for index in range(64):
+            pixels = np.random.default_rng(index).integers(0, 255, size=(32, 32, 3), dtype=np.uint8)
+            jpeg = encode_image(Image.fromarray(pixels), "jpg")
+            writer.write(f"{index:05d}", {"jpg": DAMAGES[where[index]](jpeg) if index in where else jpeg})
+    return folder, {f"{index:05d}.jpg": f"web-{index // 32:06d}.tar" for index in where}

@@ -14,6 +14,9 @@ from typing import Any, Callable, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 Accountant = Literal["prv", "pld", "rdp"]
+# Where a stage's pieces of work run: this machine's processes, or the Ray cluster (tasks/runtime/runner.py).
+Distributor = Literal["multiprocessing", "ray"]
+DISTRIBUTORS: tuple[str, ...] = get_args(Distributor)
 # The evaluation tasks, defined here once: the config, the jobs, the flows and ``vip eval`` read them.
 EvalTask = Literal["linprobe", "finetune", "fewshot", "coco", "ade20k"]
 EVAL_TASKS: tuple[str, ...] = get_args(EvalTask)
@@ -131,6 +134,10 @@ class IngestConfig(_Frozen):
     samples_per_shard: int = Field(1000, gt=0)
     max_punsafe: float = Field(0.5, ge=0, le=1, description="drop_nsfw also drops rows with punsafe above this")
     max_image_pixels: int = Field(89_478_485, gt=0, description="larger images are refused as decompression bombs")
+    distributor: Distributor = Field(
+        "multiprocessing", description="where the shards are downloaded and cleaned: this machine, or the Ray cluster "
+        "(RAY_ADDRESS, else a local Ray)")
+    rows_per_partition: int = Field(1_000_000, gt=0, description="images per deduplication partition (memory per task)")
 
     @field_validator("conditions")
     @classmethod

@@ -76,7 +76,7 @@ def bench_train(*, preset: str, img_size: int | None, batch: int, images: int, s
             shards = measure_shards(_write_photos(Path(folder), images, source_side))
             partition = ShardPartition(shards.shards, shards.counts, 0, 1, config.model.img_size)
             started = time.perf_counter()
-            memory = partition.pixels(torch.arange(len(partition)))  # memory: [N, 3, S, S] uint8
+            memory = partition.decode(torch.arange(len(partition))).pixels  # memory: [N, 3, S, S] uint8
             loader_rate = len(partition) / (time.perf_counter() - started)
             blocks = _interleaved(config, partition, memory, batch=batch, steps=steps, rounds=rounds, warmup=warmup,
                                   decode_workers=decode_workers, decode_mode=decode_mode, ahead=ahead,
@@ -125,11 +125,11 @@ def _interleaved(config: Any, partition: Any, memory: Any, *, batch: int, steps:
     torch.manual_seed(seed)
     base = build_mae(config.model).to(device)
     in_memory, shards = _private_step(base, config, len(memory), batch), _private_step(base, config, len(memory), batch)
-    pipeline = shards.prefetch(partition.pixels, ahead=ahead, workers=decode_workers, mode=decode_mode,
+    pipeline = shards.prefetch(partition.decode, ahead=ahead, workers=decode_workers, mode=decode_mode,
                                pin_memory=device.type == "cuda")
     pipeline.load_state_dict(in_memory.sampler.state_dict())  # the same Poisson samples on both sides
     gather = (lambda local: memory[local].pin_memory()) if device.type == "cuda" else (lambda local: memory[local])
-    sources = {"in_memory": (in_memory, gather), "shards": (shards, pipeline.pixels)}
+    sources = {"in_memory": (in_memory, gather), "shards": (shards, lambda local: pipeline.pixels(local).pixels)}
     loss = _mae_loss(precision)
     blocks: dict[str, list[tuple[int, float]]] = {name: [] for name in sources}  # (images, seconds) of each block
     for attempt in range(rounds):

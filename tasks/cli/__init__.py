@@ -25,6 +25,7 @@ COMMAND_MODULES = (
     "tasks.cli.bench",
     "tasks.cli.pretrain",
     "tasks.cli.audit",
+    "tasks.cli.shards",
 )
 
 

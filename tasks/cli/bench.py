@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from tasks.cli.options import add_command, add_json, add_preset, count
+from tasks.cli.options import add_command, add_json, add_preset, count, number
 from vip_core.train.precision import PRECISIONS
 
 
@@ -82,6 +82,12 @@ def _register_ingest(benchmarks: Any) -> None:
     parser.add_argument("--eval-images", type=count(0), default=200,
                         help="evaluation images to decontaminate against")
     parser.add_argument("--repeats", type=count(1), default=1, help="passes of each side; the best counts (default: 1)")
+    parser.add_argument("--dedup-hashes", type=count(1), nargs=2, default=[1_000_000, 4_000_000], metavar=("SMALL", "LARGE"),
+                        help="synthetic candidates the deduplication alone is timed on (default: 1000000 4000000)")
+    parser.add_argument("--dedup-rows-per-partition", type=count(1), default=1_000_000,
+                        help="the deduplication's partition size, data.ingest.rows_per_partition (default: 1000000)")
+    parser.add_argument("--dedup-duplicate-share", type=number("in [0, 1)", lambda value: 0 <= value < 1), default=0.1,
+                        help="share of the synthetic candidates that copy another (default: 0.1)")
 
 
 def _register_train(benchmarks: Any) -> None:
@@ -152,10 +158,19 @@ def handle_ingest(args: argparse.Namespace) -> int:
 
     result = bench_ingest(num_images=args.num_images, max_side=args.max_side, image_size=args.image_size,
                           processes=args.processes, threads=args.threads, samples_per_shard=args.samples_per_shard,
-                          eval_images=args.eval_images, repeats=args.repeats)
+                          eval_images=args.eval_images, repeats=args.repeats, dedup_hashes=tuple(args.dedup_hashes),
+                          rows_per_partition=args.dedup_rows_per_partition,
+                          duplicate_share=args.dedup_duplicate_share)
     lines = [f"img2dataset alone {result['img2dataset_images_per_s']:8.1f} img/s   ingest stage "
              f"{result['stage_images_per_s']:8.1f} img/s   overhead {100 * result['overhead']:.1f}%",
-             f"target overhead < {100 * result['target_overhead']:.0f}%: {result['meets_target']}"]
+             f"target overhead < {100 * result['target_overhead']:.0f}%: {result['meets_target']}",
+             f"cleaning {result['clean_images_per_cpu_s']:8.1f} images per CPU-second of the stage's own process"]
+    lines += [f"deduplication of {result[f'dedup_hashes_{size}']:>10,} hashes {result[f'dedup_s_{size}']:8.2f} s   "
+              f"largest worker {result[f'dedup_peak_mb_{size}']:7.1f} MB ({result[f'dedup_partitions_{size}']} partitions)"
+              for size in ("small", "large")]
+    lines.append(f"x{result['dedup_size_ratio']} the hashes: x{result['dedup_time_ratio']} the time (target < "
+                 f"{result['target_dedup_time_ratio']}), x{result['dedup_memory_ratio']} the memory (target < "
+                 f"{result['target_dedup_memory_ratio']}): {result['dedup_meets_target']}")
     return _report(args, result, lines)
 
 

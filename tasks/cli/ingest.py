@@ -16,6 +16,9 @@ INGEST_FLAGS = {
     "--timeout": ("data.ingest.timeout_s", float, "seconds before a download is abandoned"),
     "--samples-per-shard": ("data.ingest.samples_per_shard", int, "url-list rows per shard"),
     "--min-side": ("data.ingest.min_side", int, "smallest allowed image side, in pixels"),
+    "--distributor": ("data.ingest.distributor", str, "multiprocessing (this machine) or ray (the cluster of "
+                      "RAY_ADDRESS, else a local Ray; --output then on storage every node shares)"),
+    "--rows-per-partition": ("data.ingest.rows_per_partition", int, "images per deduplication partition"),
 }
 
 
@@ -24,8 +27,9 @@ def register(subparsers: Any) -> None:
         subparsers, "ingest", handle_ingest, help="download a LAION-format url list into clean webdataset shards",
         description="Downloads a url list (parquet, csv or jsonl with a URL column) with img2dataset, drops "
         "failed downloads, NSFW-tagged, small and extreme-aspect images and rows failing --condition, removes "
-        "exact and perceptual duplicates and near duplicates of --eval-images, and writes web-*.tar shards, "
-        "manifest.parquet and stats.json in --output. Honours X-Robots-Tag: noai. Resumes a killed run.",
+        "exact and perceptual duplicates (one global pass) and near duplicates of --eval-images, and writes web-*.tar "
+        "shards, manifest.parquet and stats.json in --output. Honours X-Robots-Tag: noai. Resumes a killed run. "
+        "--distributor ray runs it on the Ray cluster of RAY_ADDRESS (else a local Ray).",
     )
     parser.add_argument("--url-list", required=True, help="LAION-format url list (.parquet, .csv or .jsonl)")
     add_output(parser, "the clean shards, manifest.parquet and stats.json")

@@ -1,21 +1,29 @@
 """Web-image ingestion: a LAION-format url list to clean webdataset shards.
 
-img2dataset downloads the rows into raw shards (bodies kept as sent, no re-encoding) in a child
-process; meanwhile this process cleans each raw shard as soon as img2dataset finishes it: decode,
-filter, decontaminate against the evaluation images, deduplicate, then centre-crop, resize and write
-``web-{shard:06d}.tar`` named after its raw shard. Layout of the output folder::
+img2dataset downloads the rows into raw shards (bodies kept as sent, no re-encoding) in a child process;
+meanwhile each raw shard is *judged* as soon as img2dataset finishes it: decoded, filtered, hashed and
+decontaminated against the evaluation images (:mod:`tasks.stages.ingest_shards`). Once every shard is judged,
+one global deduplication decides every candidate (:func:`vip_core.data.global_dedup.deduplicate`: first in
+row order wins, whatever the number of machines), and each judged shard becomes ``web-{shard:06d}.tar``
+named after its raw shard. Layout of the output folder::
 
     web-000000.tar ...      clean shards (key.jpg + key.json), readable by vip_core.data.shards
     manifest.parquet        one row per input row: status (kept, failed, filtered, duplicate,
                             decontaminated), reason, hashes, the clean shard that holds it
     stats.json              {"input", "downloaded", "failed", "filtered", "duplicates", "decontaminated", "kept"}
     stage.json              the stage folder's claim: url list, settings, evaluation images (tasks.runtime.folders)
-    _ingest/                state: the url list as img2dataset reads it, raw
-                            shards, per-shard manifest parts, img2dataset's log
+    _ingest/                state: the url list as img2dataset reads it and as the shards' tasks read it,
+                            raw shards, judged shards, manifest parts, img2dataset's log
 
-Resuming: img2dataset's incremental mode skips raw shards it finished (their ``*_stats.json``); a raw
-shard is cleaned again unless its manifest part exists, and the part is written only after its clean
-shard, each atomically. Cleaning is in shard order, so duplicates resolve the same way every time.
+Where the work runs is ``data.ingest.distributor``: ``multiprocessing`` (img2dataset's process pool, the
+judging and the deduplication in this process) or ``ray`` (img2dataset's Ray distributor and Ray tasks, on
+the cluster of ``RAY_ADDRESS`` or a local Ray; the output folder must then be one every node reads and
+writes at the same path). Both give the same shards, manifest and stats.
+
+Resuming: img2dataset's incremental mode skips raw shards it finished (their ``*_stats.json``); a shard is
+judged again unless its judged part exists, and finished again unless its manifest part exists; each file is
+written whole, the marking one last. The deduplication runs again whenever a shard is left to finish (it is
+deterministic: the same decisions every time).
 """
 
 from __future__ import annotations
@@ -27,107 +35,45 @@ import json
 import logging
 import math
 import os
-import re
 import signal
 import subprocess
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterator
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from tasks.runtime.environment import configure_environment, state_paths
 from tasks.runtime.folders import StageFolder, eval_data_copy, identity
+from tasks.runtime.runner import Runner, task_runner
+from tasks.stages.ingest_shards import (
+    MANIFEST_SCHEMA, SHARD_PREFIX, Contamination, IngestLayout, JudgedShard, ShardWork, fault_shard,
+    finalize_shards, judge_shard, load_candidates, write_parquet,
+)
 from vip_core.atomic import atomic_path, write_json
 from vip_core.config import IngestConfig, VipConfig
-from vip_core.data.dedup import Deduplicator, NearDuplicateIndex, build_contamination_index, content_hash, perceptual_hash
-from vip_core.data.filters import SampleFilter, center_crop_resize, decode_web_image
 from vip_core.data import storage
-from vip_core.data.shards import encode_image, iter_samples, list_shards, write_shard
+from vip_core.data.dedup import build_contamination_index
+from vip_core.data.filters import SampleFilter
+from vip_core.data.global_dedup import deduplicate
+from vip_core.data.shards import list_shards
 from vip_core.data.urllist import UrlList, file_digest, read_url_list
-from tasks.runtime.environment import configure_environment, state_paths
 
 logger = logging.getLogger(__name__)
 
-SHARD_PREFIX = "web"
-STATUSES = ("kept", "failed", "filtered", "duplicate", "decontaminated")
 # Settings that change speed only: a resumed run may change them.
-_SPEED_SETTINGS = {"processes", "threads", "timeout_s"}
+_SPEED_SETTINGS = {"processes", "threads", "timeout_s", "distributor", "rows_per_partition"}
 _POLL_S = 0.1
 _STOP_GRACE_S = 20.0
-
-MANIFEST_SCHEMA = pa.schema(
-    [
-        ("row", pa.int64()),
-        ("key", pa.string()),
-        ("url", pa.string()),
-        ("status", pa.string()),
-        ("reason", pa.string()),
-        ("shard", pa.string()),
-        ("sha256", pa.string()),
-        ("phash", pa.string()),
-        ("original_width", pa.int64()),
-        ("original_height", pa.int64()),
-        ("duplicate_of", pa.string()),
-    ]
-)
+CPUS_PER_TASK = 1.0  # a shard's judging and finishing, and each deduplication step, are CPU-bound
 
 
 class IngestError(RuntimeError):
     """The download stage stopped before finishing; running the same command again resumes it."""
-
-
-@dataclass(frozen=True)
-class IngestLayout:
-    """The paths of one ingestion output folder."""
-
-    output: Path
-
-    @property
-    def work(self) -> Path:
-        return self.output / "_ingest"
-
-    @property
-    def raw(self) -> Path:
-        return self.work / "raw"
-
-    @property
-    def parts(self) -> Path:
-        return self.work / "manifest"
-
-    @property
-    def url_input(self) -> Path:
-        return self.work / "urls.parquet"
-
-    @property
-    def log(self) -> Path:
-        return self.work / "img2dataset.log"
-
-    @property
-    def manifest(self) -> Path:
-        return self.output / "manifest.parquet"
-
-    @property
-    def stats(self) -> Path:
-        return self.output / "stats.json"
-
-    def raw_done(self, shard_id: int) -> Path:
-        return self.raw / f"{shard_id:05d}_stats.json"
-
-    def raw_meta(self, shard_id: int) -> Path:
-        return self.raw / f"{shard_id:05d}.parquet"
-
-    def raw_tar(self, shard_id: int) -> Path:
-        return self.raw / f"{shard_id:05d}.tar"
-
-    def part(self, shard_id: int) -> Path:
-        return self.parts / f"{shard_id:06d}.parquet"
-
-    def clean_shard(self, shard_id: int) -> Path:
-        return self.output / f"{SHARD_PREFIX}-{shard_id:06d}.tar"
 
 
 # ------------------------------------------------------------------------------------------------ task
@@ -142,8 +88,9 @@ def run_ingest(
         config: the run's configuration; ``config.data.ingest`` drives this stage.
         url_list: a LAION-format parquet, csv or jsonl file.
         output: the folder for the clean shards, ``manifest.parquet`` and ``stats.json``: a local path, or an
-            fsspec URL (``s3://bucket/web``), where the finished shards, manifest and stats are uploaded from
-            a local staging folder (``$VIP_HOME/data/staging/…``, which keeps the work for a re-run).
+            fsspec URL (``s3://bucket/web``) with the work in a local staging folder (``$VIP_HOME/data/staging/…``,
+            which keeps it for a re-run): each clean shard is uploaded as soon as it is finished, the manifest and
+            ``stats.json`` last (the folder is complete once ``stats.json`` is there).
         eval_images: a folder of downstream evaluation images, local or an fsspec URL (copied once into
             ``$VIP_HOME/data/eval/``); near duplicates of them are removed.
 
@@ -156,38 +103,45 @@ def run_ingest(
         IngestError: img2dataset stopped early; running again resumes.
     """
     configure_environment()
-    if storage.is_url(output):
-        staged = run_ingest(config, url_list, staging_folder(str(output)), eval_images)
-        files = [Path(staged["output"]) / name for name in ("manifest.parquet", "stats.json")]
-        storage.put(list_shards(staged["output"], SHARD_PREFIX) + files, str(output))
-        return {**staged, "output": str(output), "staging": staged["output"]}
+    if not storage.is_url(output):
+        return _ingest(config, url_list, Path(output), eval_images, upload_to=None)
+    staged = _ingest(config, url_list, staging_folder(str(output)), eval_images, upload_to=str(output))
+    storage.put([Path(staged["output"]) / name for name in ("manifest.parquet", "stats.json")], str(output))
+    return {**staged, "output": str(output), "staging": staged["output"]}
+
+
+def _ingest(config: VipConfig, url_list: str | Path, output: Path, eval_images: str | Path | None,
+            upload_to: str | None) -> dict[str, Any]:
+    """The stage in the local folder ``output``, each clean shard also uploaded to the URL ``upload_to`` when given
+    (by the task that finishes it)."""
     settings = config.data.ingest
     urls = read_url_list(url_list)
     sample_filter = _sample_filter(settings)
     urls.check_conditions(sample_filter.conditions)
-    contamination, eval_hashes = _contamination_index(eval_images, settings.decontaminate_max_distance)
-    layout = IngestLayout(Path(output).resolve())
+    contamination, eval_hashes = _contamination(eval_images, settings.decontaminate_max_distance)
+    layout = IngestLayout(output.resolve())
     with exclusive_use(layout) as lock:
         StageFolder(layout.output, "ingest", _fingerprint(settings, urls, eval_hashes)).claim()
-        for folder in (layout.raw, layout.parts):
-            folder.mkdir(parents=True, exist_ok=True)
         shard_count = math.ceil(len(urls) / settings.samples_per_shard)
-        cleaner = ShardCleaner(layout, urls, settings, sample_filter, contamination)
-        write_img2dataset_input(layout.url_input, urls.urls())
-        _download_and_clean(layout, settings, cleaner, shard_count, lock)
-        stats = _finish(layout, shard_count, len(urls))
+        if not all(layout.part(shard).exists() for shard in range(shard_count)):
+            work = ShardWork(layout, settings, sample_filter, contamination, urls.url_column, urls.caption_column,
+                             upload_to, fault_shard())
+            _write_inputs(layout, urls, settings.samples_per_shard)
+            with task_runner(settings.distributor, CPUS_PER_TASK) as runner:
+                judged = _download_and_judge(runner, work, shard_count, lock)
+                _deduplicate_and_finalize(runner, work, judged)
+        stats = _finish(layout, shard_count, len(urls), settings.samples_per_shard)
     return {**stats, "output": str(layout.output), "shards": len(list_shards(layout.output, SHARD_PREFIX))}
 
 
-def _contamination_index(
-    eval_images: str | Path | None, max_distance: int
-) -> tuple[NearDuplicateIndex | None, dict[str, int]]:
-    """The near-duplicate index of the evaluation images and their hashes (a URL's images copied once, as the
-    evaluation jobs' data are); none without evaluation images."""
+def _contamination(eval_images: str | Path | None, max_distance: int) -> tuple[Contamination | None, dict[str, int]]:
+    """The index of the evaluation images and their hashes (a URL's images copied once, as the evaluation
+    jobs' data are); none without evaluation images."""
     if not eval_images:
         return None, {}
     with eval_data_copy(str(eval_images), identity(eval_images)) as local:
-        return build_contamination_index(local, max_distance)
+        index, hashes = build_contamination_index(local, max_distance)
+    return Contamination(index, tuple(hashes)), hashes
 
 
 def staging_folder(url: str) -> Path:
@@ -218,24 +172,55 @@ def exclusive_use(layout: IngestLayout) -> Iterator[int]:
         os.close(descriptor)
 
 
-def _download_and_clean(
-    layout: IngestLayout, settings: IngestConfig, cleaner: "ShardCleaner", shard_count: int, lock: int
-) -> None:
-    """Runs img2dataset on the shards not yet downloaded while cleaning every shard in order."""
-    downloader = None if _all_downloaded(layout, shard_count) else start_img2dataset(
-        img2dataset_arguments(settings, layout.url_input, layout.raw, reencode=False), layout.log, keep_fds=(lock,)
+def _download_and_judge(runner: Runner, work: ShardWork, shard_count: int, lock: int) -> list[JudgedShard]:
+    """Runs img2dataset on the shards not yet downloaded, judging each shard (in order) as soon as it is."""
+    layout, settings = work.layout, work.settings
+    pending = [shard for shard in range(shard_count) if not layout.judged_part(shard).exists()]
+    downloader = None if all(layout.raw_done(shard).exists() for shard in pending) else start_img2dataset(
+        img2dataset_arguments(settings, layout.url_input, layout.raw, reencode=False), layout.log, keep_fds=(lock,),
+        env=runner.environment(),
     )
+    shared = runner.share(work)
     try:
+        handles = []
         for shard_id in range(shard_count):
-            if layout.part(shard_id).exists():
-                cleaner.remember(_read_part(layout.part(shard_id)))
-                continue
-            _wait_for_raw_shard(layout, shard_id, downloader)
-            cleaner.clean(shard_id)
+            if shard_id in pending:
+                _wait_for_raw_shard(layout, shard_id, downloader)
+            handles.append(runner.submit(judge_shard, shared, shard_id))
+        judged = runner.get(handles)
     except BaseException:
         stop_process(downloader)
         raise
     finish_process(downloader)
+    return judged
+
+
+def _deduplicate_and_finalize(runner: Runner, work: ShardWork, judged: list[JudgedShard]) -> None:
+    """The global deduplication of every judged shard's candidates, then each unfinished shard finished with the
+    decisions of its candidates (shards grouped into blocks of about ``rows_per_partition`` candidates)."""
+    settings = work.settings
+    blocks = _blocks(judged, settings.rows_per_partition)
+    chunks = [runner.submit(load_candidates, work.layout, [shard.shard_id for shard in block]) for block in blocks]
+    decisions = deduplicate(runner, chunks, candidates=sum(shard.candidates for shard in judged),
+                            max_distance=settings.phash_max_distance, rows_per_partition=settings.rows_per_partition,
+                            bounds=[block[0].first_id for block in blocks[1:]])
+    shared = runner.share(work)
+    runner.get([runner.submit(finalize_shards, shared, [shard.shard_id for shard in block], *pieces)
+                for block, pieces in zip(blocks, decisions)])
+
+
+def _blocks(judged: list[JudgedShard], candidates_per_block: int) -> list[list[JudgedShard]]:
+    """Consecutive shards grouped so that each group holds about ``candidates_per_block`` candidates at most (a
+    larger shard alone)."""
+    blocks: list[list[JudgedShard]] = [[]]
+    in_block = 0
+    for shard in judged:
+        if blocks[-1] and in_block + shard.candidates > candidates_per_block:
+            blocks.append([])
+            in_block = 0
+        blocks[-1].append(shard)
+        in_block += shard.candidates
+    return blocks
 
 
 def _sample_filter(settings: IngestConfig) -> SampleFilter:
@@ -258,10 +243,6 @@ def _fingerprint(settings: IngestConfig, urls: UrlList, eval_hashes: dict[str, i
     }
 
 
-def _all_downloaded(layout: IngestLayout, shard_count: int) -> bool:
-    return all(layout.part(i).exists() or layout.raw_done(i).exists() for i in range(shard_count))
-
-
 def _wait_for_raw_shard(layout: IngestLayout, shard_id: int, downloader: subprocess.Popen | None) -> None:
     while not layout.raw_done(shard_id).exists():
         if downloader is None or downloader.poll() is not None:
@@ -275,178 +256,51 @@ def _wait_for_raw_shard(layout: IngestLayout, shard_id: int, downloader: subproc
         time.sleep(_POLL_S)
 
 
-def _finish(layout: IngestLayout, shard_count: int, input_rows: int) -> dict[str, Any]:
-    table = pa.concat_tables([pq.read_table(layout.part(i), schema=MANIFEST_SCHEMA) for i in range(shard_count)])
-    table = table.sort_by("row")
-    if table.num_rows != input_rows or table.column("row").to_pylist() != list(range(input_rows)):
-        raise IngestError(f"the manifest parts in {layout.parts} do not cover the {input_rows} input rows once each")
-    _write_parquet(table, layout.manifest)
-    stats = stats_from_manifest(table.select(["status", "reason"]).to_pylist())
+def _finish(layout: IngestLayout, shard_count: int, input_rows: int, samples_per_shard: int) -> dict[str, Any]:
+    """Joins the manifest parts into ``manifest.parquet``, one part in memory at a time, and counts them into
+    ``stats.json``."""
+    statuses, reasons = Counter(), Counter()
+    with atomic_path(layout.manifest) as partial, pq.ParquetWriter(partial, MANIFEST_SCHEMA) as writer:
+        for shard_id in range(shard_count):
+            table = pq.read_table(layout.part(shard_id), schema=MANIFEST_SCHEMA).sort_by("row")
+            start = shard_id * samples_per_shard
+            if table.column("row").to_pylist() != list(range(start, min(start + samples_per_shard, input_rows))):
+                raise IngestError(f"manifest part {layout.part(shard_id)} does not cover rows {start}.. once each")
+            writer.write_table(table)
+            for status, reason in zip(table.column("status").to_pylist(), table.column("reason").to_pylist()):
+                statuses[status] += 1
+                reasons[status, reason] += 1
+    stats = {
+        "input": input_rows,
+        "downloaded": input_rows - statuses["failed"],
+        "failed": {reason: count for (status, reason), count in sorted(reasons.items()) if status == "failed"},
+        "filtered": {reason: count for (status, reason), count in sorted(reasons.items()) if status == "filtered"},
+        "duplicates": statuses["duplicate"],
+        "decontaminated": statuses["decontaminated"],
+        "kept": statuses["kept"],
+    }
     write_json(layout.stats, stats, indent=1)
     return stats
-
-
-def stats_from_manifest(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
-    """The stage's counts from manifest records (``status`` and ``reason``). They add up:
-    input = downloaded + sum(failed); downloaded = sum(filtered) + duplicates + decontaminated + kept."""
-    records = list(records)
-    counts = Counter(record["status"] for record in records)
-    failed = Counter(record["reason"] for record in records if record["status"] == "failed")
-    filtered = Counter(record["reason"] for record in records if record["status"] == "filtered")
-    return {
-        "input": len(records),
-        "downloaded": len(records) - counts["failed"],
-        "failed": dict(sorted(failed.items())),
-        "filtered": dict(sorted(filtered.items())),
-        "duplicates": counts["duplicate"],
-        "decontaminated": counts["decontaminated"],
-        "kept": counts["kept"],
-    }
-
-
-# ------------------------------------------------------------------------------------ cleaning a shard
-
-
-class ShardCleaner:
-    """Turns raw img2dataset shards into clean shards and manifest parts, one shard at a time, in order.
-
-    Args:
-        layout: the output folder's paths.
-        urls: the url list (its rows feed the filters and each sample's json).
-        settings: the ingestion settings.
-        sample_filter: the filters.
-        contamination: perceptual hashes of the evaluation images, or None.
-    """
-
-    def __init__(
-        self,
-        layout: IngestLayout,
-        urls: UrlList,
-        settings: IngestConfig,
-        sample_filter: SampleFilter,
-        contamination: NearDuplicateIndex | None,
-    ) -> None:
-        self.layout = layout
-        self.rows = urls.rows()
-        self.urls = urls.urls()
-        self.caption_column = urls.caption_column
-        self.settings = settings
-        self.sample_filter = sample_filter
-        self.contamination = contamination
-        self.dedup = Deduplicator(settings.phash_max_distance)
-
-    def remember(self, records: list[dict[str, Any]]) -> None:
-        """Adds the kept samples of a shard cleaned earlier to the duplicate index."""
-        for record in records:
-            if record["status"] == "kept":
-                self.dedup.add(record["key"], record["sha256"], int(record["phash"], 16))
-
-    def clean(self, shard_id: int) -> None:
-        """Cleans raw shard ``shard_id``: writes its clean shard, then its manifest part."""
-        layout = self.layout
-        bodies = {sample["__key__"]: sample.get("jpg", b"") for sample in iter_samples([layout.raw_tar(shard_id)])}
-        downloads = sorted(pq.read_table(layout.raw_meta(shard_id)).to_pylist(), key=lambda item: item["key"])
-        records, samples = [], []
-        for item in downloads:
-            record, sample = self._judge(item, bodies.get(item["key"]))
-            records.append(record)
-            if sample is not None:
-                samples.append(sample)
-        shard = layout.clean_shard(shard_id)
-        if samples:
-            write_shard(shard, samples)
-        for record in records:
-            record["shard"] = shard.name if record["status"] == "kept" else None
-        _write_parquet(pa.Table.from_pylist(records, schema=MANIFEST_SCHEMA), layout.part(shard_id))
-        layout.raw_tar(shard_id).unlink(missing_ok=True)
-        logger.info("shard %d: %s", shard_id, dict(Counter(record["status"] for record in records)))
-
-    def _judge(self, item: dict[str, Any], body: bytes | None) -> tuple[dict[str, Any], tuple[str, dict] | None]:
-        row_index = int(item["row"])
-        record = {"row": row_index, "key": item["key"], "url": self.urls[row_index]}
-        if record["url"] is None:
-            return _verdict(record, "failed", "no_url"), None
-        if item["status"] != "success" or body is None:
-            return _verdict(record, "failed", failure_reason(item.get("error_message"))), None
-        image, reason = decode_web_image(body, self.settings.max_image_pixels, draft_size=self.settings.image_size)
-        if image is None:
-            return _verdict(record, "failed", reason), None
-        width, height = image.info["original_size"]
-        record.update(original_width=width, original_height=height, sha256=item.get("sha256") or content_hash(body))
-        reason = self.sample_filter.reason(self.rows[row_index], width, height)
-        if reason is not None:
-            return _verdict(record, "filtered", reason), None
-        phash = perceptual_hash(image)
-        record["phash"] = f"{phash:016x}"
-        evaluation_image = self.contamination.find(phash) if self.contamination is not None else None
-        if evaluation_image is not None:
-            return _verdict(record, "decontaminated", "evaluation_image", evaluation_image), None
-        duplicate = self.dedup.duplicate_of(record["sha256"], phash)
-        if duplicate is not None:
-            return _verdict(record, "duplicate", *duplicate), None
-        self.dedup.add(record["key"], record["sha256"], phash)
-        return _verdict(record, "kept", None), (record["key"], self._sample_fields(record, image))
-
-    def _sample_fields(self, record: dict[str, Any], image) -> dict[str, Any]:
-        row = self.rows[record["row"]]
-        meta = {
-            **{name: value for name, value in row.items()},
-            "url": record["url"],
-            "caption": row.get(self.caption_column) if self.caption_column else None,
-            "source_row": record["row"],
-            "key": record["key"],
-            "original_width": record["original_width"],
-            "original_height": record["original_height"],
-            "sha256": record["sha256"],
-            "phash": record["phash"],
-        }
-        return {"jpg": encode_image(center_crop_resize(image, self.settings.image_size)), "json": meta}
-
-
-def _verdict(record: dict[str, Any], status: str, reason: str | None, duplicate_of: str | None = None) -> dict[str, Any]:
-    return {**record, "status": status, "reason": reason, "duplicate_of": duplicate_of}
-
-
-def failure_reason(error_message: str | None) -> str:
-    """Maps img2dataset's per-sample error string to a short failure reason."""
-    text = (error_message or "").lower()
-    if "x-robots-tag" in text:
-        return "noai"
-    if "redirect" in text:
-        return "redirect"
-    status = re.search(r"http error (\d{3})", text)
-    if status:
-        return f"http_{status.group(1)}"
-    if "timed out" in text or "timeout" in text:
-        return "timeout"
-    if "incompleteread" in text or "truncated" in text:
-        return "truncated"
-    if "unknown url type" in text or "no host given" in text or "control characters" in text:
-        return "bad_url"
-    if "connection" in text or "errno" in text or "remote end closed" in text:
-        return "connection_error"
-    return "download_error"
 
 
 # -------------------------------------------------------------------------------------------- writing
 
 
-def write_img2dataset_input(path: Path, urls: list[str | None]) -> Path:
-    """The url list as img2dataset reads it: ``url`` ("" where missing) and ``row``, written once."""
+def _write_inputs(layout: IngestLayout, urls: UrlList, samples_per_shard: int) -> None:
+    """The url list as img2dataset reads it (:func:`write_img2dataset_input`) and as the shards' tasks read it
+    (every column, one row group per shard), each written once."""
+    write_img2dataset_input(layout.url_input, urls)
+    if not layout.rows.exists():
+        with atomic_path(layout.rows) as partial:
+            pq.write_table(urls.table, partial, row_group_size=samples_per_shard)
+
+
+def write_img2dataset_input(path: Path, urls: UrlList) -> Path:
+    """The url list as img2dataset reads it: ``url`` (``""`` where missing) and ``row``, written once."""
     if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        table = pa.table({"url": [url or "" for url in urls], "row": pa.array(range(len(urls)), pa.int64())})
-        _write_parquet(table, path)
+        table = pa.table({"url": urls.download_urls(), "row": pa.array(np.arange(len(urls), dtype=np.int64))})
+        write_parquet(table, path)
     return path
-
-
-def _write_parquet(table: pa.Table, path: Path) -> None:
-    with atomic_path(path) as partial:
-        pq.write_table(table, partial)
-
-
-def _read_part(path: Path) -> list[dict[str, Any]]:
-    return pq.read_table(path, schema=MANIFEST_SCHEMA).to_pylist()
 
 
 # ----------------------------------------------------------------------------------------- img2dataset
@@ -481,16 +335,17 @@ def img2dataset_arguments(settings: IngestConfig, url_input: Path, raw: Path, *,
         "incremental_mode": "incremental",
         "retries": 0,
         "enable_wandb": False,
-        "distributor": "multiprocessing",
+        "distributor": settings.distributor,
         # img2dataset's default list refuses X-Robots-Tag noai, noimageai, noindex and noimageindex.
         "disallowed_header_directives": None if settings.respect_noai else [],
     }
 
 
-def start_img2dataset(arguments: dict[str, Any], log: Path, keep_fds: tuple[int, ...] = ()) -> subprocess.Popen:
-    """Starts ``img2dataset.download(**arguments)`` in a child process that logs to ``log`` and inherits
-    the file descriptors ``keep_fds``."""
-    env = {**os.environ, "NO_ALBUMENTATIONS_UPDATE": "1", "WANDB_MODE": "disabled"}
+def start_img2dataset(arguments: dict[str, Any], log: Path, keep_fds: tuple[int, ...] = (),
+                      env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Starts ``img2dataset.download(**arguments)`` in a child process that logs to ``log``, inherits the file
+    descriptors ``keep_fds`` and has the variables ``env`` (``RAY_ADDRESS``, for its Ray distributor) set."""
+    env = {**os.environ, "NO_ALBUMENTATIONS_UPDATE": "1", "WANDB_MODE": "disabled", **(env or {})}
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as log_file:
         return subprocess.Popen(

@@ -19,8 +19,8 @@ ledger book (and charges it), starts or joins Ray and runs a ``TorchTrainer`` wh
 * at the end the driver settles the run's charge with the steps taken and publishes ``output/checkpoint``:
   exactly the weights, the config, the step and the ledger (``PUBLISHED_ENTRIES``).
 
-The per-step loss and throughput of the private stage are computed on private data and are not
-privatized (docs/privacy.md lists every such value and where it goes). So are Ray Train's checkpoints,
+The per-step loss and throughput of the private stage, and the count of damaged images skipped, are computed
+on private data and are not privatized (docs/privacy.md lists every such value and where it goes). So are Ray Train's checkpoints,
 which hold the random streams' states: they stay under ``output/ray``.
 
 Fault injection for tests: ``VIP_INJECT_WORKER_KILL=RANK:STEP`` makes worker RANK kill its own process
@@ -49,7 +49,7 @@ from vip_core.config import TrainingConfig, VipConfig, validate_config
 from vip_core.train.augment import draw_crop_flips
 from vip_core.train.data import ShardPartition, measure_shards
 from vip_core.train.distributed import (
-    all_reduce_max, broadcast_parameters, check_parameters_equal, gather_objects, rank_and_world,
+    all_reduce_max, all_reduce_sum, broadcast_parameters, check_parameters_equal, gather_objects, rank_and_world,
 )
 from vip_core.train.pipeline import DECODE_MODE, InputPipeline, decode_workers, mae_loss
 from vip_core.train.step import StepReport, TrainingStep
@@ -97,7 +97,8 @@ def run_pretrain(
     Returns:
         ``checkpoint`` (final checkpoint folder), ``steps``, ``epsilon`` (the data set's composed ε; None for
         the synthetic stage), ``epsilon_pld`` (the tight PLD ε, beside a plan accounted by RDP),
-        ``images_per_s`` and ``peak_rss_mb`` (largest resident set of any worker; both
+        ``images_per_s``, ``peak_rss_mb`` (largest resident set of any worker) and ``damaged_images_skipped``
+        (sampled images that did not decode and contributed nothing, :mod:`vip_core.train.data`; all three
         left out of a private stage with ``privacy.log_private_statistics`` off) and more.
     """
     training = stage_training(config, stage)
@@ -345,7 +346,8 @@ def _summarise(result: Any, loop_config: dict, output: Path, stage: str, run_id:
         "noise_multiplier": privacy.get("noise_multiplier"),
         "sample_rate": plan["sample_rate"],
         "dataset_size": plan["dataset_size"],
-        **{key: metrics[key] for key in ("loss", "images_per_s", "peak_rss_mb") if key in metrics},
+        **{key: metrics[key] for key in ("loss", "images_per_s", "peak_rss_mb", "damaged_images_skipped")
+           if key in metrics},
         "workers": int(metrics["world_size"]),
         "nodes": int(metrics["nodes"]),
         "resumes": int(metrics["resumes"]),
@@ -404,6 +406,7 @@ class WorkerRun:
     resumes: int = 0
     images: float = 0.0
     seconds: float = 0.0
+    damaged: int = 0  # sampled images that did not decode, skipped (rank 0 holds the count before a resume)
 
     @property
     def training(self) -> TrainingConfig:
@@ -421,12 +424,15 @@ class WorkerRun:
     def batch(self, local: torch.Tensor, stream: Any) -> tuple[torch.Tensor, ...]:
         """The step's inputs: the sample's decoded images [k, 3, H, W] (uint8, from the pipeline), one row of
         masking noise per sample [k, L] and, with ``augmentation: rrc_flip``, one crop box and flip per sample
-        [k, 5], both from the step's per-sample stream."""
-        pixels, noise = self.pipeline.pixels(local), stream.uniform((len(local), self.model.num_patches))
-        if self.training.augmentation == "none":
-            return pixels, noise
-        crops = draw_crop_flips(stream, len(local), scale=self.training.crop_scale, ratio=self.training.crop_ratio)
-        return pixels, noise, crops
+        [k, 5], both from the step's per-sample stream. An image that did not decode is left out, with its rows
+        (drawn all the same), and counted: it contributes nothing to the step (:mod:`vip_core.train.data`)."""
+        decoded = self.pipeline.pixels(local)
+        inputs = (decoded.pixels, stream.uniform((len(local), self.model.num_patches)))
+        if self.training.augmentation != "none":
+            inputs += (draw_crop_flips(stream, len(local), scale=self.training.crop_scale,
+                                       ratio=self.training.crop_ratio),)
+        self.damaged += int((~decoded.usable).sum())
+        return inputs if bool(decoded.usable.all()) else tuple(value[decoded.usable] for value in inputs)
 
     def loss(self, model: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """The MAE's per-sample loss [b] of uint8 images ``inputs[0]`` under masks ``inputs[1]`` (cropped and
@@ -519,7 +525,7 @@ def build_worker_run(loop_config: dict[str, Any], rank: int, world: int) -> Work
     partition = ShardPartition(loop_config["shards"], loop_config["counts"], rank, world, config.model.img_size)
     step = _training_step(model, plan, training, len(partition))
     workers = decode_workers(training.cpus_per_worker)
-    pipeline = step.prefetch(partition.pixels, ahead=PREFETCH_STEPS, workers=workers, mode=DECODE_MODE,
+    pipeline = step.prefetch(partition.decode, ahead=PREFETCH_STEPS, workers=workers, mode=DECODE_MODE,
                              pin_memory=training.use_gpu)
     return WorkerRun(config=config, stage=stage, plan=plan, partition=partition, step=step, pipeline=pipeline)
 
@@ -551,6 +557,7 @@ def restore_worker_run(run: WorkerRun, folder: str, rank: int, world: int) -> No
         log.warning("checkpoint written by %d workers, now %d: fresh random streams", len(payload["streams"]), world)
     run.step.load_state_dict(payload["state"], streams)
     run.resumes = int(payload["resumes"]) + 1
+    run.damaged = int(payload.get("damaged", 0)) if rank == 0 else 0  # the run's count so far, summed over ranks
     log.info("rank %d resumed at step %d (resume %d)", rank, run.step.taken, run.resumes)
 
 
@@ -569,8 +576,10 @@ def report_checkpoint(run: WorkerRun, report: StepReport | None, rank: int, worl
         "resumes": run.resumes,
         "stopped_by_budget": run.step.taken < run.training.steps and not run.step.can_step(),
     }
-    if run.logs_private_statistics:  # both follow the realised batch sizes
+    damaged = all_reduce_sum(run.damaged)
+    if run.logs_private_statistics:  # all three follow the sampled images
         summary["peak_rss_mb"] = peak_rss_mb
+        summary["damaged_images_skipped"] = int(damaged)
         if report is not None and run.seconds:
             summary["images_per_s"] = run.images / run.seconds
     if rank != 0:
@@ -582,7 +591,7 @@ def report_checkpoint(run: WorkerRun, report: StepReport | None, rank: int, worl
     with tempfile.TemporaryDirectory(prefix="vip-ckpt-") as folder:
         save_checkpoint(
             folder, model=run.model, config=run.config, stage=run.stage, step=run.step.taken, state=state,
-            streams=[g["streams"] for g in gathered], resumes=run.resumes,
+            streams=[g["streams"] for g in gathered], resumes=run.resumes, damaged=int(damaged),
         )
         ray.train.report(summary, checkpoint=ray.train.Checkpoint.from_directory(folder))
 

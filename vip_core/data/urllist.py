@@ -43,13 +43,13 @@ class UrlList:
     def __len__(self) -> int:
         return self.table.num_rows
 
-    def rows(self) -> list[dict[str, Any]]:
-        """Every row as a dict of column name to value."""
-        return self.table.to_pylist()
+    def download_urls(self) -> pa.ChunkedArray:
+        """The URL of each row as :func:`clean_url` gives it, ``""`` where the row has none (computed in Arrow: no
+        Python object per row)."""
+        import pyarrow.compute as pc
 
-    def urls(self) -> list[str | None]:
-        """The URL of each row; None or blank where the row has none."""
-        return [_clean_url(value) for value in self.table.column(self.url_column).to_pylist()]
+        urls = pc.utf8_trim_whitespace(self.table.column(self.url_column).cast(pa.string()))
+        return pc.fill_null(urls, "")
 
     def check_conditions(self, conditions: Sequence[Condition]) -> None:
         """Raises ValueError naming the first condition whose column the list lacks."""
@@ -117,7 +117,8 @@ def _find_column(table: pa.Table, candidates: Sequence[str]) -> str | None:
     return None
 
 
-def _clean_url(value: Any) -> str | None:
+def clean_url(value: Any) -> str | None:
+    """A URL cell as a string stripped of white space; None where it is missing or blank."""
     if value is None:
         return None
     text = str(value).strip()

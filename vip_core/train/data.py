@@ -14,16 +14,24 @@ data set at rate q: the sampling the accountant is fed.
 
 The data set's fingerprint (:func:`measure_shards`: shard names and sizes and where each image lies) names
 its privacy ledger and ties a resumed run to the data it started on.
+
+Damaged images. An image whose bytes do not decode whole (truncated, not an image, a decompression bomb) is
+*skipped*: :meth:`ShardPartition.decode` returns it as zeros marked not ``usable``, and the training step's batch
+leaves it out of the sample it hands the private step, so it contributes nothing to the clipped sum (as a
+sample whose gradient is zero would), while the Poisson sampling, the expected batch size the sum is divided by
+and the noise stay as planned (the accountant's q is unchanged). A shard that cannot be read at all is an error
+naming it. ``vip shards --check DIR`` lists the damaged images of a folder before a run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import tarfile
 from dataclasses import dataclass
-from typing import Iterator, NamedTuple, Sequence
+from typing import Any, Iterator, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -32,6 +40,9 @@ from PIL import Image
 from vip_core.data import storage
 from vip_core.data.shards import IMAGE_EXTENSIONS
 from vip_core.data.storage import Location
+
+# What PIL raises on bytes that are not a whole image: truncated or corrupt data, an unknown format, a bomb.
+DAMAGED_IMAGE_ERRORS = (OSError, SyntaxError, ValueError, Image.DecompressionBombError)
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -105,16 +116,31 @@ def tar_locations(shard: Location) -> list[TarLocation]:
     """The image members of a tar shard, one per sample (the first image of each key), in tar order.
 
     Reads only the tar headers.
+
+    Raises:
+        ValueError: the shard is not a readable tar (cut short, or not a tar), naming it.
     """
-    locations = []
+    with storage.open_binary(shard) as handle, _open_tar(shard, handle) as archive:
+        return [TarLocation(shard, member.offset_data, member.size) for member in _image_members(archive)]
+
+
+@contextlib.contextmanager
+def _open_tar(shard: Location, handle) -> Iterator[tarfile.TarFile]:
+    try:
+        with tarfile.open(fileobj=handle, mode="r") as archive:
+            yield archive
+    except tarfile.TarError as error:
+        raise ValueError(f"shard {shard} is not a readable tar: {error}") from None
+
+
+def _image_members(archive: tarfile.TarFile) -> Iterator[tarfile.TarInfo]:
+    """The image members of an open tar, one per sample (the first image of each key), in tar order."""
     seen_keys: set[str] = set()
-    with storage.open_binary(shard) as handle, tarfile.open(fileobj=handle, mode="r") as archive:
-        for member in archive:
-            key, _, extension = member.name.rpartition("/")[2].partition(".")
-            if member.isfile() and extension in IMAGE_EXTENSIONS and key not in seen_keys:
-                seen_keys.add(key)
-                locations.append(TarLocation(shard, member.offset_data, member.size))
-    return locations
+    for member in archive:
+        key, _, extension = member.name.rpartition("/")[2].partition(".")
+        if member.isfile() and extension in IMAGE_EXTENSIONS and key not in seen_keys:
+            seen_keys.add(key)
+            yield member
 
 
 def parquet_locations(shard: Location) -> list[ParquetLocation]:
@@ -207,6 +233,66 @@ def decode_pixels(payload: bytes, img_size: int) -> torch.Tensor:
     return pixels.permute(2, 0, 1).contiguous()  # [3, H, W]
 
 
+class Decoded(NamedTuple):
+    """Decoded images: ``pixels`` ``[k, 3, H, W]`` uint8 (zeros where damaged) and ``usable`` ``[k]`` bool."""
+
+    pixels: torch.Tensor
+    usable: torch.Tensor
+
+
+def decode_usable(payloads: Sequence[bytes], img_size: int) -> Decoded:
+    """Image bytes to :class:`Decoded`: each decoded by :func:`decode_pixels`, a damaged one as zeros, not usable."""
+    pixels = torch.zeros(len(payloads), 3, img_size, img_size, dtype=torch.uint8)  # [k, 3, H, W]
+    usable = torch.zeros(len(payloads), dtype=torch.bool)  # [k]
+    for position, payload in enumerate(payloads):
+        try:
+            pixels[position] = decode_pixels(payload, img_size)
+        except DAMAGED_IMAGE_ERRORS:
+            continue
+        usable[position] = True
+    return Decoded(pixels, usable)
+
+
+def check_shard(shard: Location, img_size: int) -> dict[str, Any]:
+    """Decodes every image of one shard as training does (:func:`decode_pixels` at ``img_size``).
+
+    Returns:
+        ``{"shard", "images", "damaged": [{"member", "error"}]}`` (a tar member's name, or a parquet shard's
+        ``row group G row R``), or ``{"shard", "error"}`` when the shard itself cannot be read.
+    """
+    damaged, images = [], 0
+    try:
+        for member, payload in _image_payloads(shard):
+            images += 1
+            try:
+                decode_pixels(payload, img_size)
+            except DAMAGED_IMAGE_ERRORS as error:
+                damaged.append({"member": member, "error": _first_line(error)})
+    except (OSError, ValueError) as error:
+        return {"shard": str(shard), "error": _first_line(error)}
+    return {"shard": str(shard), "images": images, "damaged": damaged}
+
+
+def _image_payloads(shard: Location) -> Iterator[tuple[str, bytes]]:
+    """``(member name, bytes)`` of each image of a tar or parquet shard, in order."""
+    shard = storage.as_location(shard)
+    if str(shard).endswith(".parquet"):
+        locations = parquet_locations(shard)
+        payloads: list = [None] * len(locations)
+        for group in sorted({location.row_group for location in locations}):
+            positions = [i for i, location in enumerate(locations) if location.row_group == group]
+            _read_parquet(shard, group, locations, positions, payloads)
+        yield from ((f"row group {loc.row_group} row {loc.row}", payload) for loc, payload in zip(locations, payloads))
+        return
+    with storage.open_binary(shard) as handle, _open_tar(shard, handle) as archive:
+        for member in _image_members(archive):
+            yield member.name, archive.extractfile(member).read()  # type: ignore[union-attr]
+
+
+def _first_line(error: BaseException) -> str:
+    return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+
+
 def normalise(pixels: torch.Tensor) -> torch.Tensor:
     """RGB ``[B, 3, H, W]`` in 0..255 (uint8, or float after augmentation) to float32 with ImageNet statistics,
     on the pixels' device; ``pixels`` is left as it is."""
@@ -257,15 +343,13 @@ class ShardPartition:
         return local + self.start
 
     def images(self, local: torch.Tensor) -> torch.Tensor:
-        """The images at local indices ``[B]``, normalised, as ``[B, 3, H, W]`` float32."""
-        return normalise(self.pixels(local))  # [B, 3, H, W]
+        """The images at local indices ``[B]``, normalised, as ``[B, 3, H, W]`` float32 (zeros where damaged)."""
+        return normalise(self.decode(local).pixels)  # [B, 3, H, W]
 
-    def pixels(self, local: torch.Tensor) -> torch.Tensor:
-        """The images at local indices ``[B]``, as ``[B, 3, H, W]`` uint8 RGB."""
-        if local.numel() == 0:
-            return torch.empty(0, 3, self.img_size, self.img_size, dtype=torch.uint8)
-        payloads = self._read([self.locations[i] for i in local.tolist()])
-        return torch.stack([decode_pixels(payload, self.img_size) for payload in payloads])  # [B, 3, H, W]
+    def decode(self, local: torch.Tensor) -> Decoded:
+        """The images at local indices ``[B]``: ``[B, 3, H, W]`` uint8 RGB and whether each is usable (a damaged
+        one is zeros, not usable)."""
+        return decode_usable(self._read([self.locations[i] for i in local.tolist()]), self.img_size)
 
     def _read(self, wanted: list[TarLocation | ParquetLocation]) -> list[bytes]:
         """The bytes of ``wanted``, opening each shard (each parquet row group) once."""

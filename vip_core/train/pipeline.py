@@ -6,7 +6,8 @@ next ``ahead`` steps from the step's own :class:`~vip_core.privacy.sampling.Pois
 process (the same stream, in the same order: the indices of step t are exactly those an unprefetched run
 draws at step t, so the privacy analysis is unchanged) and hands each sample's decoding, in chunks, to a
 small pool of decoders as soon as it is drawn. A decoder gets only local indices and returns uint8
-``[c, 3, H, W]``; the step then finds its images decoded (pinned when they go to a GPU); normalising and the
+``[c, 3, H, W]`` (or a NamedTuple of such ``[c, ...]`` tensors: a :class:`~vip_core.train.data.Decoded` says
+which images are usable); the step then finds its images decoded (pinned when they go to a GPU); normalising and the
 per-sample randomness (masks and crops, from the step's ``sample`` stream) happen at step time on the device. Memory
 is bounded by ``ahead + 1`` steps of uint8 images.
 
@@ -47,7 +48,6 @@ from functools import partial
 from multiprocessing.process import BaseProcess
 from typing import Any, Callable, NamedTuple
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -58,7 +58,7 @@ from vip_core.train.precision import autocast
 
 log = logging.getLogger(__name__)
 
-Load = Callable[[torch.Tensor], torch.Tensor]
+Load = Callable[[torch.Tensor], Any]  # local indices [k] -> a tensor [k, ...] or a NamedTuple of them
 
 PROCESSES = "processes"
 THREADS = "threads"
@@ -145,8 +145,9 @@ class InputPipeline:
             self._draw()
         return self._current.local
 
-    def pixels(self, local: torch.Tensor) -> torch.Tensor:
-        """The decoded images ``[k, 3, H, W]`` (uint8) of the sample :meth:`sample` returned last.
+    def pixels(self, local: torch.Tensor) -> Any:
+        """The decoded images ``[k, 3, H, W]`` (uint8; or what ``load`` returns, each part ``[k, ...]``) of the sample
+        :meth:`sample` returned last.
 
         Raises:
             ValueError: ``local`` is not that sample.
@@ -155,9 +156,8 @@ class InputPipeline:
         if self._current is None or self._current.local is not local:
             raise ValueError("pixels() is asked for a sample other than the last one sample() returned")
         draw, self._current = self._current, None
-        chunks = [self._result(future, draw.step) for future in draw.futures]  # each [c, 3, H, W]
-        pixels = chunks[0] if len(chunks) == 1 else torch.cat(chunks)  # [k, 3, H, W]
-        return pixels.pin_memory() if self.pin_memory else pixels
+        pixels = _cat([self._result(future, draw.step) for future in draw.futures])  # [k, 3, H, W]
+        return _each(lambda tensor: tensor.pin_memory(), pixels) if self.pin_memory else pixels
 
     def state_dict(self) -> dict[str, Any]:
         """The sampler's state after the last step taken (the draws made ahead are not in it)."""
@@ -194,7 +194,7 @@ class InputPipeline:
             raise RuntimeError(f"decoding the sample of step {step} took longer than {self.timeout:g} s "
                                f"({self.workers} {self.mode})")
         try:
-            return torch.as_tensor(future.result())  # [c, 3, H, W]
+            return _each(torch.as_tensor, future.result())  # [c, 3, H, W]
         except Exception as error:
             first_line = (str(error).splitlines() or [""])[0]
             raise RuntimeError(f"decoding the sample of step {step} failed in the {self.mode}: "
@@ -261,8 +261,22 @@ def _still_running(processes: list[BaseProcess], timeout: float) -> list[BasePro
     return list(running.values())
 
 
-def _load_indices(load: Load, indices: list[int]) -> torch.Tensor:
-    return load(torch.tensor(indices, dtype=torch.long))  # [c, 3, H, W] uint8
+def _each(function: Callable[[Any], Any], value: Any) -> Any:
+    """``function`` applied to a tensor, or to each part of a NamedTuple of them."""
+    return type(value)(*(function(part) for part in value)) if isinstance(value, tuple) else function(value)
+
+
+def _cat(chunks: list[Any]) -> Any:
+    """Chunks ``[c, ...]`` (tensors, or NamedTuples of them) joined along the first dimension."""
+    if len(chunks) == 1:
+        return chunks[0]
+    if isinstance(chunks[0], tuple):
+        return type(chunks[0])(*(torch.cat(parts) for parts in zip(*chunks)))
+    return torch.cat(chunks)
+
+
+def _load_indices(load: Load, indices: list[int]) -> Any:
+    return load(torch.tensor(indices, dtype=torch.long))  # [c, 3, H, W] uint8, or a NamedTuple of [c, ...]
 
 
 _process_load: Load | None = None  # in a decoding process: the load it was started with
@@ -284,6 +298,6 @@ def _exit_when_gone(parent_sentinel: int) -> None:
     os._exit(1)
 
 
-def _decode_in_process(indices: list[int]) -> np.ndarray:
-    """A chunk decoded in a decoding process, as a numpy array (pickled back: a plain copy of its bytes)."""
-    return _load_indices(_process_load, indices).numpy()  # [c, 3, H, W] uint8
+def _decode_in_process(indices: list[int]) -> Any:
+    """A chunk decoded in a decoding process, as numpy arrays (pickled back: a plain copy of their bytes)."""
+    return _each(lambda tensor: tensor.numpy(), _load_indices(_process_load, indices))  # [c, 3, H, W] uint8

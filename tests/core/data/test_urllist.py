@@ -16,8 +16,8 @@ def test_each_format_reads_the_same_rows(tmp_path, suffix):
     urls = read_url_list(write_url_list(tmp_path / f"list{suffix}", ROWS))
     assert len(urls) == 3
     assert (urls.url_column, urls.caption_column) == ("URL", "TEXT")
-    assert urls.urls() == ["http://127.0.0.1:1/a.jpg", None, None]
-    assert urls.rows()[0]["similarity"] == pytest.approx(0.32)
+    assert urls.download_urls().to_pylist() == ["http://127.0.0.1:1/a.jpg", "", ""]
+    assert urls.table.column("similarity")[0].as_py() == pytest.approx(0.32)
 
 
 def test_lower_case_columns_are_found(tmp_path):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -10,6 +12,7 @@ from PIL import Image
 from vip_core.data.shards import ShardWriter, encode_image, iter_samples, list_shards, sample_image
 from vip_core.train.data import (
     ShardPartition,
+    check_shard,
     decode_image,
     microbatches,
     partition_range,
@@ -136,3 +139,32 @@ def test_parquet_without_an_image_column_is_a_clear_error(tmp_path):
     pq.write_table(pa.table({"url": ["http://127.0.0.1/a.jpg"]}), tmp_path / "urls.parquet")
     with pytest.raises(ValueError, match="has no image column"):
         measure_shards(tmp_path)
+
+
+def test_a_damaged_image_decodes_as_zeros_marked_not_usable(damaged_shards):
+    folder, damaged = damaged_shards
+    shards, counts, _ = measure_shards(folder)
+    decoded = ShardPartition(shards, counts, 0, 1, IMG).decode(torch.arange(64))
+    damaged_positions = sorted(int(name.split(".")[0]) for name in damaged)
+    assert torch.nonzero(~decoded.usable).flatten().tolist() == damaged_positions
+    assert decoded.pixels[damaged_positions].eq(0).all()
+    assert decoded.pixels[decoded.usable].flatten(1).amax(dim=1).gt(0).all()
+
+
+def test_the_check_names_every_damaged_member_of_a_shard(damaged_shards):
+    folder, damaged = damaged_shards
+    reports = [check_shard(shard, IMG) for shard in list_shards(folder)]
+    assert [report["images"] for report in reports] == [32, 32]
+    found = {item["member"]: Path(report["shard"]).name for report in reports for item in report["damaged"]}
+    assert found == damaged
+    assert all(item["error"].split(":")[0] in ("OSError", "UnidentifiedImageError")
+               for report in reports for item in report["damaged"])
+
+
+def test_a_shard_cut_short_is_an_error_naming_it(damaged_shards, tmp_path):
+    folder, _ = damaged_shards
+    whole = (folder / "web-000000.tar").read_bytes()
+    (tmp_path / "web-000000.tar").write_bytes(whole[: len(whole) // 2 + 100])
+    with pytest.raises(ValueError, match=r"shard .*web-000000\.tar is not a readable tar"):
+        measure_shards(tmp_path)
+    assert "error" in check_shard(tmp_path / "web-000000.tar", IMG)

@@ -95,11 +95,12 @@ def test_decoding_processes_open_the_shards_of_a_partition_themselves(tmp_path):
             writer.write(f"{index:06d}", {"jpg": encode_image(Image.new("RGB", (16, 16), (index * 20, 0, 0)), "jpg")})
     found = measure_shards((tmp_path / "shards").as_uri())  # file:// URLs, opened by each process
     partition = ShardPartition(found.shards, found.counts, 0, 1, 8)
-    pipeline = InputPipeline(PoissonSampler(10, 0.5, RandomStream(3, 0, "sampling")), partition.pixels,
+    pipeline = InputPipeline(PoissonSampler(10, 0.5, RandomStream(3, 0, "sampling")), partition.decode,
                              mode=PROCESSES)
     for _ in range(3):
         local = pipeline.sample()
-        assert torch.equal(pipeline.pixels(local), partition.pixels(local))  # [k, 3, 8, 8]
+        decoded, expected = pipeline.pixels(local), partition.decode(local)
+        assert torch.equal(decoded.pixels, expected.pixels) and torch.equal(decoded.usable, expected.usable)
     pipeline.close()
 
 
@@ -288,3 +289,4 @@ def test_a_sample_is_decoded_in_balanced_jobs_of_at_least_min_chunk_images_at_mo
     sizes, expected = Counter(len(job) for job in calls), Counter(chunks)
     assert sizes & expected == expected  # the step taken; the step drawn ahead (the same sample at q = 1) may
     assert sizes - expected <= expected  # have been decoded too, or part of it, before close() cancelled it
+

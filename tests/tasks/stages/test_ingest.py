@@ -144,7 +144,7 @@ def test_ingest_killed_mid_run_resumes_without_fetching_finished_shards(tmp_path
     ]
     killed = subprocess.Popen(command, cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        _wait_until(lambda: (tmp_path / "out" / "web-000000.tar").exists() and _slow_requests(web) > 0, killed)
+        _wait_until(lambda: IngestLayout(tmp_path / "out").judged_part(0).exists() and _slow_requests(web) > 0, killed)
     finally:
         os.killpg(killed.pid, signal.SIGKILL)
         killed.wait()

@@ -4,9 +4,11 @@ is carried on, not restarted). A resumed run must keep its privacy plan."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
+import torch
 
 from vip_core.config import get_preset, with_overrides
 from vip_core.models.checkpoint import load_checkpoint
@@ -109,3 +111,36 @@ def test_resume_continues_a_run_for_more_steps(local_ray, shards, tmp_path):
         run_pretrain(synthetic(4), "synthetic", shards, tmp_path / "out")
     more = run_pretrain(synthetic(4), "synthetic", shards, tmp_path / "out", resume=True)
     assert (first["steps"], more["steps"], more["resumes"]) == (2, 4, 1)
+
+
+def test_a_damaged_image_is_left_out_of_the_steps_inputs_with_its_masks(damaged_shards):
+    from tasks.stages.pretrain import build_worker_run
+    from tests.core.privacy.test_dp_rules import worker_loop_config
+
+    folder, damaged = damaged_shards
+    config = with_overrides(get_preset("tiny"), {"private.batch_size": 64, "private.augmentation": "rrc_flip"})
+    run = build_worker_run(worker_loop_config(config, folder), 0, 1)
+    try:
+        local = run.pipeline.sample()  # q = 1: all 64 images
+        stream = copy.deepcopy(run.step.streams.sample)
+        pixels, noise, crops = run.batch(local, run.step.streams.sample)
+    finally:
+        run.pipeline.close()
+    usable = [i for i in range(64) if f"{i:05d}.jpg" not in damaged]
+    assert len(local) == 64 and run.damaged == len(damaged) == 4
+    assert len(pixels) == len(noise) == len(crops) == 60 and pixels.flatten(1).amax(dim=1).gt(0).all()
+    assert torch.equal(noise, stream.uniform((64, run.model.num_patches))[usable])  # drawn for all, rows kept
+
+
+def test_damaged_images_are_skipped_and_counted_and_the_run_finishes(local_ray, damaged_shards, tmp_path):
+    from tasks.stages.pretrain import run_pretrain
+
+    folder, damaged = damaged_shards  # 64 images, 4 of them damaged
+    config = with_overrides(get_preset("tiny"), {
+        "private.num_workers": 2, "private.cpus_per_worker": 0.5, "private.steps": 2, "private.batch_size": 64,
+        "private.physical_batch_size": 32, "private.checkpoint_every": 2,
+    })
+    result = run_pretrain(config, "private", folder, tmp_path / "out")
+    assert result["steps"] == 2 and result["dataset_size"] == 64 and result["sample_rate"] == 1.0
+    assert result["damaged_images_skipped"] == 2 * len(damaged)  # q = 1: every image in both steps
+    assert math.isfinite(result["loss"])

@@ -1,69 +1,18 @@
-"""Two Ray nodes on this machine: a head and a second node started with ``ray start``; the pre-training
-joins them through ``RAY_ADDRESS`` and trains one worker on each."""
+"""Two Ray nodes on this machine (``two_node_cluster``); the pre-training joins them through ``RAY_ADDRESS`` and
+trains one worker on each."""
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
-import psutil
 import pytest
 
+from tests.tasks.conftest import CLUSTER_ENV
 from vip_core.models.checkpoint import load_checkpoint
-
-RAY = str(Path(sys.executable).with_name("ray"))
-# The test cluster lives on loopback: no token to hand from the head to the second node.
-CLUSTER_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _ray_start(*args: str) -> None:
-    env = {**os.environ, **CLUSTER_ENV}
-    env.pop("RAY_ADDRESS", None)
-    subprocess.run([RAY, "start", *args, "--disable-usage-stats"], env=env, check=True, capture_output=True, timeout=180)
-
-
-def _stop_cluster(temp_dir: Path) -> None:
-    """Kills, by process id, every process of this test cluster (``ray stop`` would stop every Ray on the
-    machine): those whose command line names the cluster's temp folder, and their children."""
-    doomed: set[psutil.Process] = set()
-    for process in psutil.process_iter(["cmdline"]):
-        try:
-            if any(str(temp_dir) in part for part in process.info["cmdline"] or []):
-                doomed.add(process)
-                doomed.update(process.children(recursive=True))
-        except psutil.Error:
-            continue
-    for process in doomed:
-        try:
-            process.kill()
-        except psutil.Error:
-            continue
-    psutil.wait_procs(list(doomed), timeout=30)
-
-
-@pytest.fixture(scope="module")
-def two_node_cluster(tmp_path_factory):
-    """A head and a second node on this machine, one CPU each; yields the head's address."""
-    temp_dir = Path(tmp_path_factory.mktemp("ray2n"))
-    try:
-        _ray_start("--head", "--node-ip-address=127.0.0.1", f"--port={_free_port()}", "--num-cpus=1",
-                   "--include-dashboard=false", f"--temp-dir={temp_dir}")
-        address = (temp_dir / "ray_current_cluster").read_text().strip()
-        _ray_start(f"--address={address}", "--node-ip-address=127.0.0.1", "--num-cpus=1", f"--temp-dir={temp_dir}")
-        yield address
-    finally:
-        _stop_cluster(temp_dir)
-
 
 @pytest.fixture(scope="module")
 def shards(noise_shards):
