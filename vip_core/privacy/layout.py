@@ -152,6 +152,11 @@ class LayoutCheck:
             with conversions:
                 losses = per_sample_losses(model, loss_fn, watched_inputs, stand_ins(self.plain, batch), batch)
             leaves = leaves + conversions.leaves
+            if conversions.unwatched:
+                logger.warning("the per-sample layout check could not watch the integer inputs %s: the model never "
+                               "made them floating point with the batch on dim 0 inside torch (e.g. it indexed a data "
+                               "set with Python integers), so samples mixed after them cannot be seen "
+                               "(docs/privacy.md, rule 5)", ", ".join(conversions.unwatched))
             if not leaves:
                 return True
             for sample in _checked_samples(batch):
@@ -233,26 +238,36 @@ def _version(tensor: torch.Tensor | None) -> int | None:
 
 class _WatchConversions(TorchFunctionMode):
     """Watches where the model turns an integer input (or an integer tensor computed from one) into floating point
-    with the batch on dim 0 (``pixels.float() / 255``, ``images[indices]``): that result is replaced by a leaf that
-    requires grad, named after the input, so the input check can see the samples' rows mixed after it."""
+    with the batch on dim 0 (``pixels.float() / 255``, ``images[indices]``): a zero leaf that requires grad, named
+    after the input, is added to that result (the graph through it kept), so the input check can see the samples'
+    rows mixed after it."""
 
     def __init__(self, inputs: Inputs, batch: int) -> None:
         super().__init__()
         self.batch = batch
-        self.names = {id(t): name for name, t in _named_tensors(inputs) if not (t.is_floating_point() or t.is_complex())}
+        # id -> (name, tensor): the tensor is held, so that its id cannot be reused by another
+        self.sources = {id(t): (name, t) for name, t in _named_tensors(inputs)
+                        if not (t.is_floating_point() or t.is_complex())}
         self.leaves: list[tuple[str, torch.Tensor]] = []
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        sources = [self.names[id(a)] for a in tree_leaves((args, kwargs)) if id(a) in self.names]
+        sources = [self.sources[id(a)][0] for a in tree_leaves((args, kwargs))
+                   if id(a) in self.sources and self.sources[id(a)][1] is a]
         if not sources or not isinstance(out, torch.Tensor) or out.dim() == 0 or out.shape[0] != self.batch:
             return out
         if not (out.is_floating_point() or out.is_complex()):
-            self.names[id(out)] = sources[0]  # still integer: follow it
+            self.sources[id(out)] = (sources[0], out)  # still integer: follow it
             return out
-        leaf = out.detach().requires_grad_()
+        leaf = torch.zeros_like(out).requires_grad_()
         self.leaves.append((f"{sources[0]} (made floating point by {getattr(func, '__name__', func)})", leaf))
-        return leaf.clone()
+        return out + leaf
+
+    @property
+    def unwatched(self) -> list[str]:
+        """The integer inputs no floating-point result was watched for."""
+        watched = {name.split(" (")[0] for name, _ in self.leaves}
+        return sorted({name for name, _ in self.sources.values()} - watched)
 
 
 def _named_tensors(inputs: Inputs) -> list[tuple[str, torch.Tensor]]:
