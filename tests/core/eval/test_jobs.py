@@ -61,7 +61,7 @@ PAPER_REGULARISERS = {"finetune_drop_path": 0.1, "finetune_mixup": 0.8, "finetun
 
 def test_public_finetuning_with_the_papers_regularisers_is_deterministic_for_its_seed(digits):
     config = tiny()
-    evaluation = config.evaluation.model_copy(update=PAPER_REGULARISERS)
+    evaluation = config.evaluation.model_copy(update={**PAPER_REGULARISERS, "finetune_epochs": 3})
     first = prepare_job("finetune", digits, evaluation, config.model, CPU)(random_encoder())
     second = prepare_job("finetune", digits, evaluation, config.model, CPU)(random_encoder())
     assert first == second
