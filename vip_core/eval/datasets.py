@@ -164,14 +164,15 @@ class DrawnRandAugment:
 def classification_transform(img_size: int, augment: Uniform | None = None,
                              randaugment: int = 0) -> Callable[[Image.Image], torch.Tensor]:
     """:class:`RandomCropFlip` drawing from ``augment`` (then :class:`DrawnRandAugment` at magnitude
-    ``randaugment`` when it is not 0), or without it resize and centre crop; ImageNet norm."""
+    ``randaugment`` when it is not 0), or without it resize and centre crop: uint8 ``[3, S, S]``, normalised where
+    it is used (:func:`vip_core.train.data.normalise`, on the job's device): a quarter of the bytes to move, and
+    no float work in the decoding processes."""
     if augment is not None:
         geometry = [RandomCropFlip(img_size, augment)]
         geometry += [DrawnRandAugment(randaugment, augment)] if randaugment else []
     else:
         geometry = [T.Resize(img_size, antialias=True), T.CenterCrop(img_size)]
-    return T.Compose([T.ToImage(), *geometry, T.ToDtype(torch.float32, scale=True),
-                      T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+    return T.Compose([T.ToImage(), *geometry])
 
 
 def draft_side(img_size: int, augmented: bool) -> int:
@@ -182,7 +183,7 @@ def draft_side(img_size: int, augmented: bool) -> int:
 
 class ImageFolderDataset(Dataset):
     """(image, label) pairs from ``split/<class>/<image>`` with a given class-to-index map, as ``img_size`` px
-    tensors: augmented with draws from ``draws`` (random crops and flips, RandAugment at ``randaugment`` when it is
+    uint8 tensors: augmented with draws from ``draws`` (random crops and flips, RandAugment at ``randaugment`` when it is
     not 0), or resized and centre-cropped without them."""
 
     def __init__(self, split_dir: Path, class_to_idx: dict[str, int], img_size: int, draws: Draws | None = None,

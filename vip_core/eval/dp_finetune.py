@@ -32,7 +32,7 @@ from vip_core.eval.fit import WARMUP_FRACTION, layer_decay_param_groups
 from vip_core.privacy.ledger import LedgerBook
 from vip_core.privacy.plan import PrivacyPlan, fingerprint_of, plan_and_charge, settle_charge
 from vip_core.privacy.randomness import RandomStream
-from vip_core.train.data import partition_range
+from vip_core.train.data import normalise, partition_range
 from vip_core.train.distributed import broadcast_parameters, rank_and_world
 from vip_core.train.loop import run_steps
 from vip_core.train.precision import autocast
@@ -84,7 +84,7 @@ def dp_finetune(model: EncoderClassifier, train: Dataset, settings: FinetuneSett
 
     Args:
         model: the classifier (moved to ``device``).
-        train: the fine-tuning set, whose items are ``(image [3, S, S], label)``.
+        train: the fine-tuning set, whose items are ``(uint8 image [3, S, S], label)``.
         settings: the fine-tuning hyperparameters (base lr per 256, layer decay, weight decay, label smoothing;
             mixup and cutmix are not used: they mix samples).
         private: the DP fine-tuning settings (physical batch size).
@@ -112,7 +112,7 @@ def dp_finetune(model: EncoderClassifier, train: Dataset, settings: FinetuneSett
     def loss(classifier: nn.Module, indices: torch.Tensor) -> torch.Tensor:
         images, labels = _gather(train, indices)  # images: [b, 3, S, S], labels: [b]
         with autocast(settings.precision, device):
-            logits = classifier(images.to(device))  # [b, classes]
+            logits = classifier(normalise(images.to(device)))  # [b, classes]
         return nn.functional.cross_entropy(logits.float(), labels.to(device), reduction="none",
                                            label_smoothing=settings.label_smoothing)  # [b]
 

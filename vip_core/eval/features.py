@@ -35,12 +35,12 @@ def pooled_block_features(encoder: nn.Module, images: torch.Tensor, last_blocks:
 @torch.no_grad()
 def feature_batches(encoder: nn.Module, dataset: Dataset, *, last_blocks: int, batch_size: int, loading: Loading,
                     precision: str = "fp32") -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """``(features [b, k * D] float32, labels [b])`` of ``dataset``'s items in order, one batch at a time, on the
-    CPU."""
+    """``(features [b, k * D] float32, labels [b])`` of ``dataset``'s uint8 images in order, one batch at a time, on
+    the CPU."""
     encoder.eval().to(loading.device)
     for images, targets in loading.in_order(dataset, batch_size):
         with autocast(precision, loading.device):
-            features = pooled_block_features(encoder, loading.to_device(images), last_blocks)  # [b, k * D]
+            features = pooled_block_features(encoder, loading.images(images), last_blocks)  # [b, k * D]
         yield features.float().cpu(), torch.as_tensor(targets)
 
 

@@ -94,7 +94,7 @@ def finetune(model: EncoderClassifier, train: Dataset, settings: FinetuneSetting
         mixing = numpy_generator(settings.seed, "mixup", str(epoch), str(rank))
 
     def loss_of(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        images, labels = loading.to_device(batch[0]), loading.to_device(batch[1])  # [n, 3, S, S], [n]
+        images, labels = loading.images(batch[0]), loading.to_device(batch[1])  # [n, 3, S, S], [n]
         if not settings.mixes:
             with autocast(settings.precision, loading.device):
                 logits = model(images)  # [n, classes]
@@ -118,6 +118,6 @@ def evaluate_classifier(model: nn.Module, dataset: Dataset, batch_size: int, loa
     scores = TopK()
     for images, targets in loading.in_order(rank_block(dataset), batch_size):
         with autocast(precision, loading.device):
-            logits = model(loading.to_device(images))  # [b, classes]
+            logits = model(loading.images(images))  # [b, classes]
         scores.add(logits.float(), torch.as_tensor(targets))
     return scores.accuracy()

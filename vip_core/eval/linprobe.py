@@ -94,7 +94,7 @@ def train_probe(train: Features, num_classes: int, settings: ProbeSettings, devi
         return (share for share in shares if len(share) >= 2)  # BatchNorm needs two
 
     def loss_of(share: torch.Tensor) -> torch.Tensor:
-        features = train.rows(share).to(device, non_blocking=True)  # [b, F]
+        features = train.rows(share).to(device).float()  # [b, F]
         return nn.functional.cross_entropy(head(features), train.labels[share].to(device))
 
     fit(head, optimizer, batches, loss_of, epochs=settings.epochs, steps_per_epoch=len(sampler), name="linear probe",
@@ -111,7 +111,7 @@ def evaluate_probe(head: nn.Module, features: Features, batch_size: int = 4096,
     start, stop = partition_range(len(features), rank, world)
     scores = TopK()
     for rows in torch.arange(start, stop).split(batch_size):
-        scores.add(head(features.rows(rows).to(device)), features.labels[rows])
+        scores.add(head(features.rows(rows).to(device).float()), features.labels[rows])
     return scores.accuracy()
 
 

@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
 from vip_core.eval.seeding import generator
-from vip_core.train.data import partition_range
+from vip_core.train.data import normalise, partition_range
 from vip_core.train.distributed import rank_and_world
 
 Key = tuple[int, int]
@@ -138,10 +138,13 @@ class Loading:
         return self._loader(dataset, batch_size=batch_size, shuffle=False, collate_fn=collate_fn)
 
     def _loader(self, dataset: Dataset, **options) -> DataLoader:
-        extra = {"persistent_workers": False, "prefetch_factor": 4} if self.workers else {}
-        return DataLoader(dataset, num_workers=self.workers, pin_memory=self.pin_memory,
-                          generator=torch.Generator(), **extra, **{k: v for k, v in options.items() if v is not None})
+        return DataLoader(dataset, num_workers=self.workers, pin_memory=self.pin_memory, generator=torch.Generator(),
+                          **{key: value for key, value in options.items() if value is not None})
 
     def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` on the device, copied asynchronously from pinned memory."""
         return tensor.to(self.device, non_blocking=self.pin_memory)
+
+    def images(self, pixels: torch.Tensor) -> torch.Tensor:
+        """uint8 ``[B, 3, S, S]`` images on the device, normalised there with ImageNet's statistics (float32)."""
+        return normalise(self.to_device(pixels))
