@@ -412,7 +412,7 @@ def _paper_evaluation(depth: int) -> EvaluationConfig:
     0.1, mixup 0.8, cutmix 1.0, label smoothing 0.1, RandAugment at magnitude 9 (docs/pretraining.md lists what is
     left out); the paper's suite on 8 GPU workers in bf16, without the random-init baseline."""
     return EvaluationConfig(
-        suite=PAPER_SUITE, device="cuda", num_workers=8, cpus_per_worker=8.0, loader_workers=8,
+        suite=PAPER_SUITE, device="cuda", num_workers=8, cpus_per_worker=10.0, loader_workers=10,
         random_init_baseline=False, precision="bf16",
         linprobe_last_blocks=depth, linprobe_epochs=90, linprobe_lr=0.1, linprobe_optimizer="lars",
         linprobe_batch_size=16_384, finetune_batch_size=1_024,

@@ -22,7 +22,7 @@ def test_bench_eval_prints_both_sizes_and_the_input_ratio_as_json(capsys):
                 "input_ratio", "probe_images_per_s"):
         assert isinstance(result[key], float) and result[key] > 0, key
     assert result["input_ratio"] == pytest.approx(result["extract_images_per_s"] / result["encoder_images_per_s"],
-                                                  rel=1e-3)
+                                                  rel=0.01)
     assert result["rss_growth_mb"] == pytest.approx(result["peak_rss_mb_large"] - result["peak_rss_mb_small"], abs=0.1)
     assert result["features"] == 2 * 64  # every block of the tiny encoder, pooled: the paper's protocol
     assert (result["target_rss_growth_mb"], result["target_input_ratio"]) == (100.0, 0.9)
