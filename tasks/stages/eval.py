@@ -8,7 +8,8 @@ ends, with ``eval/<name>/<metric>`` for the result and ``eval/<name>/<metric>_ra
 name of a suite's pair, ``linprobe-imagenet``; the task's by default), and ``metrics.json`` as an artifact. Running
 it again with the same task, settings, checkpoint and data reuses the stored metrics instead of recomputing (and
 still logs them to MLflow when a parent run is given); a job stopped on the way resumes from what it wrote in
-``output/work/<encoder>/`` (the linear probe's features, the training state after each epoch).
+``output/work/<encoder>/`` (the linear probe's features, the training state after each epoch), which is removed
+once the metrics are stored.
 
 Where the job runs: on ``evaluation.device`` in this process, or, for the jobs that train (linprobe, finetune,
 coco, ade20k) with ``evaluation.num_workers`` > 0, as a Ray Train job of that many workers (one GPU each on CUDA,
@@ -24,6 +25,7 @@ Evaluation data is public: the privacy guarantee of pre-training covers the pre-
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -39,6 +41,7 @@ from vip_core.config import EVAL_TASK_FIELDS, TRAINING_TASKS, ModelConfig, VipCo
 logger = logging.getLogger(__name__)
 
 METRICS_FILE = EVAL_METRICS_FILE
+WORK_FOLDER = "work"  # what the jobs write on the way, each encoder's in a folder of its own
 BASELINE = "random-init encoder of the same size, same data, same settings, same run"
 DATA_NOTE = "evaluation data is public: the pre-training privacy guarantee does not cover it"
 
@@ -75,6 +78,7 @@ def run_evaluation(config: VipConfig, task: str, checkpoint: str | None, data: s
         metrics = folder.stored_result()
         if metrics is None:
             metrics = folder.store_result(_evaluate(config, model_config, task, checkpoint, data, folder))
+            shutil.rmtree(Path(output) / WORK_FOLDER, ignore_errors=True)
         else:
             logger.info("%s: metrics for these inputs already in %s", name, folder.result_file)
         if run_id:
@@ -99,7 +103,7 @@ def _evaluate(config: VipConfig, model_config: ModelConfig, task: str, checkpoin
     seconds = {}
     for run, role in enumerate(encoders):
         started = time.monotonic()
-        workspace = Path(folder.path) / "work" / role
+        workspace = Path(folder.path) / WORK_FOLDER / role
         if on_workers:
             from tasks.stages.eval_workers import run_on_workers
 

@@ -11,7 +11,6 @@ block of the held-out split.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Iterator, Literal
 

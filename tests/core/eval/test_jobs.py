@@ -161,3 +161,27 @@ def test_decoding_processes_change_no_number(digits, tmp_path):
     two = prepare_job("finetune", digits, parallel, config.model, CPU)(random_encoder(), workspace=tmp_path / "2")
     assert two == alone
     assert _same_weights(_trained_weights(tmp_path / "0"), _trained_weights(tmp_path / "2"))
+
+
+def test_features_extracted_under_bf16_autocast_on_the_cpu_stay_near_float32(digits):
+    from vip_core.eval.datasets import open_classification
+    from vip_core.eval.features import extract_features
+    from vip_core.eval.loading import Loading
+
+    train = open_classification(digits).split("train", 32)
+    options = dict(last_blocks=2, batch_size=64, loading=Loading(CPU))
+    full, _ = extract_features(random_encoder(), train, **options)
+    half, _ = extract_features(random_encoder(), train, precision="bf16", **options)
+    assert not torch.equal(full, half)  # the forwards ran in bfloat16
+    assert torch.nn.functional.cosine_similarity(full, half).min() > 0.99
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_jobs_run_on_cuda_in_bf16_from_pinned_memory(digits, tmp_path):
+    config = tiny()
+    evaluation = config.evaluation.model_copy(update={"device": "cuda", "precision": "bf16", "loader_workers": 2})
+    for task in ("linprobe", "finetune", "fewshot"):
+        job = prepare_job(task, digits, evaluation, config.model, torch.device("cuda"))
+        metrics = job(random_encoder(), workspace=tmp_path / task)
+        assert all(0.0 <= value <= 1.0 for value in metrics.values()), (task, metrics)
