@@ -24,6 +24,7 @@ Evaluation data is public: the privacy guarantee of pre-training covers the pre-
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import time
@@ -36,6 +37,7 @@ from torch import nn
 from tasks.runtime.environment import state_paths
 from tasks.runtime.folders import StageFolder, eval_data_copy, fingerprint, identity
 from tasks.runtime.names import EVAL_METRICS_FILE
+from tasks.runtime.ray_session import ray_session
 from vip_core.config import EVAL_TASK_FIELDS, TRAINING_TASKS, ModelConfig, VipConfig, validate_config
 
 logger = logging.getLogger(__name__)
@@ -101,18 +103,19 @@ def _evaluate(config: VipConfig, model_config: ModelConfig, task: str, checkpoin
     metrics: dict[str, Any] = {"task": task, "checkpoint": None if checkpoint is None else str(checkpoint),
                                "data": str(data)}
     seconds = {}
-    for run, role in enumerate(encoders):
-        started = time.monotonic()
-        workspace = Path(folder.path) / WORK_FOLDER / role
-        if on_workers:
-            from tasks.stages.eval_workers import run_on_workers
+    with ray_session(evaluation.num_workers, evaluation.cpus_per_worker) if on_workers else contextlib.nullcontext():
+        for run, role in enumerate(encoders):
+            started = time.monotonic()
+            workspace = Path(folder.path) / WORK_FOLDER / role
+            if on_workers:
+                from tasks.stages.eval_workers import run_on_workers
 
-            metrics[role], metrics["device"] = run_on_workers(config, model_config, task, local_data, checkpoint,
-                                                              role, run, workspace, getattr(job, "dp_runs", None))
-        else:
-            metrics[role], metrics["device"] = job(encoders[role](), run=run, workspace=workspace), str(device)
-        seconds[role] = round(time.monotonic() - started, 2)
-        logger.info("%s on the %s encoder: %s", task, role, metrics[role])
+                metrics[role], metrics["device"] = run_on_workers(config, model_config, task, local_data, checkpoint,
+                                                                  role, run, workspace, getattr(job, "dp_runs", None))
+            else:
+                metrics[role], metrics["device"] = job(encoders[role](), run=run, workspace=workspace), str(device)
+            seconds[role] = round(time.monotonic() - started, 2)
+            logger.info("%s on the %s encoder: %s", task, role, metrics[role])
     metrics.setdefault("baseline", None)
     metrics.update(baseline_encoder=BASELINE if "baseline" in encoders else None, seconds=seconds, note=DATA_NOTE)
     if getattr(job, "privacy", None) is not None:  # DP fine-tuning: the runs charged to the set's ledger

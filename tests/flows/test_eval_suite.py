@@ -42,8 +42,8 @@ def test_each_pair_of_the_suite_is_a_task_a_folder_and_a_child_run_of_its_own(pr
     assert evaluations["fewshot-digits-again"]["data"] == str(root / "digits-again")
     assert evaluations["fewshot"]["result"] == evaluations["fewshot-digits-again"]["result"]  # the same images
     assert all(metrics["baseline"] is None and set(metrics["seconds"]) == {"result"} for metrics in evaluations.values())
-    folders = sorted(path.name for path in tmp_path.iterdir())
-    assert [name.rsplit("-", 1)[0] for name in folders] == ["eval-fewshot", "eval-fewshot-digits-again"]
+    folders = sorted(path.name.rsplit("-", 1)[0] for path in tmp_path.iterdir())  # eval-<pair>-<digest>
+    assert folders == ["eval-fewshot", "eval-fewshot-digits-again"]
     names = sorted(child.info.run_name for child in tracking.child_runs(_parent(state)))
     assert names == ["eval-fewshot", "eval-fewshot-digits-again"]
     rows = [line.split() for line in results.evaluation_table(evaluations)[2:]]
