@@ -25,7 +25,7 @@ from pydantic import BaseModel
 
 from tasks.runtime.environment import state_paths
 from tasks.runtime.folders import digest, fingerprint, identity
-from vip_core.config import EVAL_TASK_FIELDS, VipConfig
+from vip_core.config import EVAL_TASK_FIELDS, EvalPair, VipConfig
 
 CACHE_VERSION = 2
 
@@ -84,10 +84,11 @@ def stage_folders(config: VipConfig, workdir: str | Path, url_list: str, eval_da
     return folders
 
 
-def eval_folder(config: VipConfig, workdir: str | Path, task: str, checkpoint: str, eval_data: str) -> str:
-    """``workdir/eval-<task>-<digest>``: the folder of one evaluation job, named after the settings it reads, the
-    checkpoint and the evaluation data."""
-    return stage_folder(workdir, f"eval-{task}", config, inputs=(checkpoint, eval_data))
+def eval_folder(config: VipConfig, workdir: str | Path, pair: EvalPair, checkpoint: str, eval_data: str) -> str:
+    """``workdir/eval-<pair>-<digest>``: the folder of one pair of the evaluation suite, named after the settings
+    its task reads, the checkpoint and the evaluation data (``eval-linprobe-imagenet-1a2b3c4d``)."""
+    digest_ = slice_digest(config, f"eval-{pair.task}", (checkpoint, eval_data))
+    return str(Path(workdir) / f"eval-{pair.name}-{digest_}")
 
 
 def audit_folder(config: VipConfig, workdir: str | Path, canaries: int) -> str:

@@ -2,7 +2,7 @@
 
 ```
 url list ──► ingest ─────────────────────────────────┐
-render ──► pretrain-syn (MAE, no DP) ──► checkpoint ──► pretrain-dp (DP-AdamW) ──► eval.map(tasks)
+render ──► pretrain-syn (MAE, no DP) ──► checkpoint ──► pretrain-dp (DP-AdamW) ──► eval.map(suite)
                                                         audit (canaries)
 ```
 Every flow (the pipeline and each stage's own) asks a :class:`StageGraph` for the stages it needs; the
@@ -26,7 +26,8 @@ from flows.stages import audit, evaluate, flow_tracking, ingest, pretrain, regis
 from tasks.runtime import tracking
 from tasks.runtime.environment import configure_environment
 from tasks.runtime.folders import RESULT_FILE
-from vip_core.config import EVAL_DATA_FOLDERS, VipConfig, with_overrides
+from tasks.runtime.names import EVAL_METRICS_FILE
+from vip_core.config import TRAINING_TASKS, EvalPair, VipConfig, with_overrides
 from vip_core.data import storage
 
 EVAL_THREADS = 4  # evaluation jobs (and the audit) running side by side in a flow
@@ -97,25 +98,35 @@ class StageGraph(contextlib.ExitStack):
             register_encoder, trained.result()["checkpoint"], self.parent_run_id, upstream=[trained]))
 
     def evaluations(self, checkpoint: str | None = None) -> dict[str, dict[str, Any]]:
-        """Every ``config.evaluation.tasks`` job on the encoder of ``checkpoint`` (default: the private
-        stage's), each beside its random-init baseline, in parallel.
+        """Every pair of the evaluation suite (``config.evaluation.pairs``) on the encoder of ``checkpoint``
+        (default: the private stage's), each beside its random-init baseline when the config asks, in parallel:
+        each pair a task of its own, with its own folder, cache key and MLflow child run.
 
         Returns:
-            ``{task: metrics}`` with ``metrics["result"]`` and ``metrics["baseline"]``.
+            ``{pair name: metrics}`` with ``metrics["result"]`` and ``metrics["baseline"]``.
         """
         upstream = [] if checkpoint else [self.pretrain_dp()]
         checkpoint = checkpoint or self.pretrain_dp().result()["checkpoint"]
-        tasks = list(self.config.evaluation.tasks)
-        for task in tasks:
-            self.folders[f"eval-{task}"] = eval_folder(self.config, self.workdir, task, checkpoint, self.eval_data)
-        futures = [_submit(evaluate, self.config, task, checkpoint, self._eval_data(task), self.folders[f"eval-{task}"],
-                           self.parent_run_id, upstream=upstream)
-                   for task in tasks]
-        return {task: future.result() for task, future in zip(tasks, futures)}
+        pairs = self.config.evaluation.pairs
+        for pair in pairs:
+            self.folders[f"eval-{pair.name}"] = eval_folder(self.config, self.workdir, pair, checkpoint, self.eval_data)
+        self._ray_for_evaluations(pairs)
+        futures = [_submit(evaluate, self.config, pair.task, pair.name, checkpoint, self._eval_data(pair),
+                           self.folders[f"eval-{pair.name}"], self.parent_run_id, upstream=upstream)
+                   for pair in pairs]
+        return {pair.name: future.result() for pair, future in zip(pairs, futures)}
 
-    def _eval_data(self, task: str) -> str:
-        """The folder (or URL) of ``task``'s data set below the evaluation data."""
-        return str(storage.join(self.eval_data, EVAL_DATA_FOLDERS[task]))
+    def _eval_data(self, pair: EvalPair) -> str:
+        """The folder (or URL) of ``pair``'s data set below the evaluation data."""
+        return str(storage.join(self.eval_data, pair.data))
+
+    def _ray_for_evaluations(self, pairs: Sequence[EvalPair]) -> None:
+        """Ray for the jobs that run on Ray Train workers and have no stored metrics yet (started once, from the
+        flow's thread: the jobs' threads then join it)."""
+        waiting = [pair for pair in pairs if pair.task in TRAINING_TASKS
+                   and not (Path(self.folders[f"eval-{pair.name}"]) / EVAL_METRICS_FILE).is_file()]
+        if self.config.evaluation.num_workers and waiting:
+            self._start_ray()
 
     def _once(self, stage: str, submit: Callable[[], PrefectFuture]) -> PrefectFuture:
         """The stage's future, submitted on the first call."""
@@ -125,10 +136,14 @@ class StageGraph(contextlib.ExitStack):
 
     def _pretrain(self, folder: str) -> Any:
         """The pre-training task, with Ray started (from the flow's thread) unless the stage has finished."""
-        if not (Path(folder) / RESULT_FILE).is_file() and not self._ray_started:
+        if not (Path(folder) / RESULT_FILE).is_file():
+            self._start_ray()
+        return _fresh_if_missing(pretrain, folder)
+
+    def _start_ray(self) -> None:
+        if not self._ray_started:
             self.enter_context(_local_ray(self.config))
             self._ray_started = True
-        return _fresh_if_missing(pretrain, folder)
 
 
 @contextlib.contextmanager
@@ -151,13 +166,14 @@ def log_stage_result(graph: StageGraph, stage: str, result: dict[str, Any]) -> d
 
 @contextlib.contextmanager
 def _local_ray(config: VipConfig) -> Iterator[dict]:
-    """One Ray for the flow's training stages, sized for the larger stage: ``RAY_ADDRESS``, or a local one.
+    """One Ray for the flow's training stages and evaluation jobs, sized for the largest: ``RAY_ADDRESS``, or a
+    local one.
 
     The stages find it running and join it, rather than each starting and stopping its own from a task thread.
     """
     from tasks.runtime.ray_session import ray_session
 
-    stages = (config.synthetic, config.private)
+    stages = (config.synthetic, config.private, config.evaluation)
     with ray_session(max(s.num_workers for s in stages), max(s.cpus_per_worker for s in stages)) as ray_info:
         yield ray_info
 

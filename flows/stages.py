@@ -99,15 +99,17 @@ def pretrain(
     return result
 
 
-@task(name="eval", task_run_name="eval-{task}", **_options(eval_stage, retries=1, retry_delay_seconds=5))
-def evaluate(config: VipConfig, task: str, checkpoint: str, data: str, output: str, parent_run_id: str | None) -> dict:
-    """One downstream job on the encoder of ``checkpoint``, beside the same job on a random-init encoder.
+@task(name="eval", task_run_name="eval-{name}", **_options(eval_stage, retries=1, retry_delay_seconds=5))
+def evaluate(config: VipConfig, task: str, name: str, checkpoint: str, data: str, output: str,
+             parent_run_id: str | None) -> dict:
+    """One pair of the evaluation suite (``task`` on ``data``, called ``name``) on the encoder of ``checkpoint``,
+    beside the same job on a random-init encoder when the config asks.
 
-    The job logs its own child run (``eval-<task>``) under ``parent_run_id``.
+    The job logs its own child run (``eval-<name>``) under ``parent_run_id``; a retry resumes what it wrote.
     """
     from tasks.stages.eval import run_evaluation
 
-    return run_evaluation(config, task, checkpoint, data, output, mlflow_run_id=parent_run_id)
+    return run_evaluation(config, task, checkpoint, data, output, mlflow_run_id=parent_run_id, name=name)
 
 
 @task(name="audit", task_run_name="audit", **_options("audit", retries=1, retry_delay_seconds=5))

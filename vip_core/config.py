@@ -20,25 +20,33 @@ DISTRIBUTORS: tuple[str, ...] = get_args(Distributor)
 # The evaluation tasks, defined here once: the config, the jobs, the flows and ``vip eval`` read them.
 EvalTask = Literal["linprobe", "finetune", "fewshot", "coco", "ade20k"]
 EVAL_TASKS: tuple[str, ...] = get_args(EvalTask)
-# Where each task finds its public data below an evaluation root: an ImageFolder, a COCO and an ADE20K set.
+# The offline data set of each task below an evaluation root (an ImageFolder, a COCO and an ADE20K set): the tiny
+# preset's suite, and the data set a pair's name leaves out (``EvalPair.name``).
 EVAL_DATA_FOLDERS: dict[str, str] = {
     "linprobe": "classification", "finetune": "classification", "fewshot": "classification",
     "coco": "coco", "ade20k": "ade20k",
 }
+# The jobs that train (a head or the encoder): they run as Ray Train jobs when ``evaluation.num_workers`` > 0.
+TRAINING_TASKS: tuple[str, ...] = ("linprobe", "finetune", "coco", "ade20k")
 # The ``evaluation`` fields each task reads (besides the model): its cache key and its folder hold these only,
-# so a change to one task's settings re-runs that task alone.
+# so a change to one task's settings re-runs that task alone. Where the jobs run (``device``, ``num_workers``)
+# is among them: other hardware gives other rounding, and public jobs are deterministic for their config.
+_RUNS_ON = ("device", "random_init_baseline", "batch_size", "seed")
+_TRAINS_ON = (*_RUNS_ON, "num_workers")
 EVAL_TASK_FIELDS: dict[str, tuple[str, ...]] = {
-    "linprobe": ("linprobe_last_blocks", "linprobe_epochs", "linprobe_lr", "linprobe_optimizer", "batch_size", "seed"),
+    "linprobe": ("linprobe_last_blocks", "linprobe_epochs", "linprobe_lr", "linprobe_optimizer", "linprobe_batch_size",
+                 "precision", *_TRAINS_ON),
     "finetune": ("finetune_epochs", "finetune_lr", "finetune_weight_decay", "finetune_privacy", "layer_decay",
                  "finetune_drop_path", "finetune_label_smoothing", "finetune_mixup", "finetune_cutmix",
-                 "finetune_randaugment", "precision",
-                 "batch_size", "seed"),
-    "fewshot": ("linprobe_last_blocks", "fewshot_shots", "fewshot_seeds", "fewshot_l2", "batch_size", "seed"),
+                 "finetune_randaugment", "finetune_batch_size", "precision", *_TRAINS_ON),
+    "fewshot": ("linprobe_last_blocks", "fewshot_shots", "fewshot_seeds", "fewshot_l2", "precision", *_RUNS_ON),
     "coco": ("detection_epochs", "detection_img_size", "detection_channels", "detection_lr", "layer_decay",
-             "batch_size", "seed"),
+             *_TRAINS_ON),
     "ade20k": ("segmentation_epochs", "segmentation_img_size", "segmentation_channels", "segmentation_lr",
-               "segmentation_num_classes", "layer_decay", "batch_size", "seed"),
+               "segmentation_num_classes", "layer_decay", *_TRAINS_ON),
 }
+# Settings that change how fast a job runs, never its numbers: in no cache key.
+EVAL_SPEED_FIELDS: tuple[str, ...] = ("loader_workers", "cpus_per_worker")
 
 
 class _Frozen(BaseModel):
@@ -251,21 +259,60 @@ class FinetunePrivacyConfig(_Frozen):
     strict_float32: bool = Field(False, description=STRICT_FLOAT32_HELP)
 
 
+class EvalPair(_Frozen):
+    """One evaluation of the suite: ``task`` on the data set in the folder ``data`` below the evaluation root."""
+
+    task: EvalTask
+    data: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="a folder below the evaluation root")
+
+    @property
+    def name(self) -> str:
+        """``linprobe-imagenet``: the task, then the data set unless it is the task's offline one (``coco``)."""
+        return self.task if self.data == EVAL_DATA_FOLDERS[self.task] else f"{self.task}-{self.data}"
+
+
+def _pairs(*pairs: tuple[str, str]) -> tuple[EvalPair, ...]:
+    return tuple(EvalPair(task=task, data=data) for task, data in pairs)
+
+
+# The offline sets of ``vip eval-data``: each task on its folder.
+OFFLINE_SUITE = _pairs(*EVAL_DATA_FOLDERS.items())
+# The ViP paper's evaluations: linear probes on ImageNet-1k, Places-365, Places-205 and iNaturalist 2021, few-shot
+# on Aircraft, Caltech-101 and CIFAR-100, fine-tuning on ImageNet-1k, COCO detection, ADE20K segmentation.
+PAPER_SUITE = _pairs(
+    ("linprobe", "imagenet"), ("linprobe", "places365"), ("linprobe", "places205"), ("linprobe", "inat2021"),
+    ("fewshot", "aircraft"), ("fewshot", "caltech101"), ("fewshot", "cifar100"),
+    ("finetune", "imagenet"), ("coco", "coco"), ("ade20k", "ade20k"),
+)
+
+
 class EvaluationConfig(_Frozen):
     """Downstream jobs. Evaluation data is public: it is not covered by the privacy guarantee.
 
     Learning rates ``linprobe_lr`` and ``finetune_lr`` are base rates per 256 examples (MAE's convention);
-    ``detection_lr`` and ``segmentation_lr`` are absolute.
+    ``detection_lr`` and ``segmentation_lr`` are absolute. Batch sizes are global: with ``num_workers`` Ray Train
+    workers each takes its share of every batch.
     """
 
-    tasks: tuple[EvalTask, ...] = EVAL_TASKS
+    tasks: tuple[EvalTask, ...] = Field(EVAL_TASKS, description="the tasks of the suite to run")
+    suite: tuple[EvalPair, ...] = Field(OFFLINE_SUITE, description="the (task, data set) pairs evaluated")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when there is a device")
+    num_workers: int = Field(0, ge=0, description="Ray Train workers of each job that trains (linprobe, finetune, "
+                                                  "coco, ade20k), one GPU each on CUDA; 0: the job runs in its "
+                                                  "own process")
+    cpus_per_worker: float = Field(1.0, gt=0, description="CPUs Ray reserves for each worker")
+    loader_workers: int = Field(0, ge=0, description="image-decoding processes of each job process")
+    random_init_baseline: bool = Field(True, description="also run each job on a random-init encoder of the same "
+                                                         "size (doubles the cost)")
     linprobe_last_blocks: int = Field(4, gt=0)
     linprobe_epochs: int = Field(10, gt=0)
     linprobe_lr: float = Field(0.1, gt=0)
     linprobe_optimizer: Literal["lars", "sgd"] = "lars"
+    linprobe_batch_size: int | None = Field(None, gt=0, description="None: batch_size")
     finetune_epochs: int = Field(5, gt=0)
     finetune_lr: float = Field(1e-3, gt=0)
     finetune_weight_decay: float = Field(0.05, ge=0)
+    finetune_batch_size: int | None = Field(None, gt=0, description="None: batch_size")
     finetune_privacy: FinetunePrivacyConfig = FinetunePrivacyConfig()
     finetune_drop_path: float = Field(0.0, ge=0, lt=1, description="stochastic depth of the last block (linear "
                                                                    "from 0 at the first)")
@@ -288,8 +335,33 @@ class EvaluationConfig(_Frozen):
     segmentation_channels: int = Field(256, gt=0)
     segmentation_lr: float = Field(1e-4, gt=0)
     segmentation_num_classes: int | None = Field(150, gt=0, description="None: the largest training label")
-    precision: Literal["fp32", "bf16"] = Field("fp32", description="fine-tuning forwards under bf16 autocast or not")
+    precision: Literal["fp32", "bf16"] = Field("fp32", description="feature extraction and fine-tuning forwards "
+                                                                   "under bf16 autocast or not")
     seed: int = 0
+
+    @field_validator("suite")
+    @classmethod
+    def _pairs_once(cls, value: tuple[EvalPair, ...]) -> tuple[EvalPair, ...]:
+        names = [pair.name for pair in value]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"pairs listed twice: {', '.join(repeated)}")
+        return value
+
+    @model_validator(mode="after")
+    def _batches_split_over_workers(self) -> "EvaluationConfig":
+        if self.num_workers > 1:
+            for field in ("batch_size", "linprobe_batch_size", "finetune_batch_size"):
+                size = getattr(self, field)
+                if size is not None and size % self.num_workers:
+                    raise ValueError(f"{field} {size} is not a multiple of num_workers {self.num_workers}: each "
+                                     "worker takes an equal share of every batch")
+        return self
+
+    @property
+    def pairs(self) -> tuple[EvalPair, ...]:
+        """The pairs of the suite whose task is in ``tasks``."""
+        return tuple(pair for pair in self.suite if pair.task in self.tasks)
 
 
 class VipConfig(_Frozen):
@@ -342,11 +414,15 @@ def _paper_synthetic_stage() -> TrainingConfig:
 
 
 def _paper_evaluation(depth: int) -> EvaluationConfig:
-    """The official MAE/ViP evaluation recipes: a LARS linear probe (base lr 0.1, 90 epochs) on every block's
-    pooled features; fine-tuning for 100 epochs at base lr 5e-4, layer decay 0.65, drop path 0.1, mixup 0.8,
-    cutmix 1.0, label smoothing 0.1, RandAugment at magnitude 9 (docs/pretraining.md lists what is left out)."""
+    """The official MAE/ViP evaluation recipes: a LARS linear probe (base lr 0.1, batch 16,384, 90 epochs) on every
+    block's pooled features; fine-tuning for 100 epochs at base lr 5e-4, batch 1,024, layer decay 0.65, drop path
+    0.1, mixup 0.8, cutmix 1.0, label smoothing 0.1, RandAugment at magnitude 9 (docs/pretraining.md lists what is
+    left out); the paper's suite on 8 GPU workers in bf16, without the random-init baseline."""
     return EvaluationConfig(
+        suite=PAPER_SUITE, device="cuda", num_workers=8, cpus_per_worker=10.0, loader_workers=10,
+        random_init_baseline=False, precision="bf16",
         linprobe_last_blocks=depth, linprobe_epochs=90, linprobe_lr=0.1, linprobe_optimizer="lars",
+        linprobe_batch_size=16_384, finetune_batch_size=1_024,
         finetune_epochs=100, finetune_lr=5e-4, finetune_weight_decay=0.05, layer_decay=0.65,
         finetune_drop_path=0.1, finetune_mixup=0.8, finetune_cutmix=1.0, finetune_label_smoothing=0.1,
         finetune_randaugment=9,

@@ -1,4 +1,4 @@
-"""``vip bench dp-step | render | ingest | train``: benchmarks that print their figures beside a baseline measured in
+"""``vip bench dp-step | render | ingest | train | eval``: benchmarks that print their figures beside a baseline measured in
 the same run (the measurements are in ``tasks/benchmarks/``)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from tasks.cli.options import add_command, add_json, add_preset, count, number
+from tasks.cli.options import add_command, add_json, add_preset, count, number, preset_name
 from vip_core.train.precision import PRECISIONS
 
 
@@ -17,6 +17,7 @@ def register(subparsers: Any) -> None:
     _register_render(benchmarks)
     _register_ingest(benchmarks)
     _register_train(benchmarks)
+    _register_eval(benchmarks)
 
 
 def _register_dp_step(benchmarks: Any) -> None:
@@ -113,6 +114,50 @@ def _register_train(benchmarks: Any) -> None:
     parser.add_argument("--ahead", type=count(1), default=2, help="steps drawn and decoded ahead (default: 2)")
     add_precision(parser)
     add_device(parser)
+
+
+def _register_eval(benchmarks: Any) -> None:
+    parser = add_command(benchmarks, "eval", handle_eval, help="peak memory of the linear probe at two data set sizes, "
+                         "and images/s of its input pipeline against the encoder alone")
+    add_json(parser)
+    parser.add_argument("--preset", default="vip-nano", type=preset_name, help="the encoder (default: vip-nano)")
+    parser.add_argument("--img-size", type=count(1), default=64, help="image side in pixels (default: 64)")
+    parser.add_argument("--sizes", type=count(1), nargs=2, default=[5000, 20000], metavar=("SMALL", "LARGE"),
+                        help="training images of the two runs (default: 5000 20000)")
+    parser.add_argument("--val-images", type=count(1), default=500, help="held-out images (default: 500)")
+    parser.add_argument("--classes", type=count(2), default=10, help="class folders (default: 10)")
+    parser.add_argument("--source-side", type=count(1), default=128,
+                        help="longer side of the stored JPEGs in pixels (default: 128)")
+    parser.add_argument("--batch", type=count(2), default=256, help="images per batch (default: 256)")
+    parser.add_argument("--loader-workers", type=count(0), default=1,
+                        help="image-decoding processes (default: 1)")
+    parser.add_argument("--epochs", type=count(1), default=2, help="epochs of the probe's head (default: 2)")
+    parser.add_argument("--threads", type=count(0), default=1,
+                        help="torch CPU threads (default: 1, steady on a shared machine, the other cores decoding); "
+                        "0 keeps torch's default")
+    add_precision(parser)
+    add_device(parser)
+
+
+def handle_eval(args: argparse.Namespace) -> int:
+    from tasks.benchmarks.eval import bench_eval, meets_targets
+
+    result = bench_eval(preset=args.preset, img_size=args.img_size, sizes=tuple(args.sizes),
+                        val_images=args.val_images, classes=args.classes, source_side=args.source_side,
+                        batch=args.batch, loader_workers=args.loader_workers, epochs=args.epochs, threads=args.threads,
+                        precision=args.precision, device=args.device)
+    met = meets_targets(result)
+    lines = [f"peak RSS {result['peak_rss_mb_small']:8.1f} MB at {result['images_small']} images, "
+             f"{result['peak_rss_mb_large']:8.1f} MB at {result['images_large']}: growth {result['rss_growth_mb']} MB "
+             f"(target < {result['target_rss_growth_mb']:g}: {met['rss_growth']})",
+             f"extraction {result['extract_images_per_s']:8.1f} img/s   its encoder forwards "
+             f"{result['encoder_images_per_s']:8.1f} img/s   input_ratio {result['input_ratio']:.3f} "
+             f"(target >= {result['target_input_ratio']}: {met['input_ratio']})",
+             f"encoder alone, no decoding beside it {result['encoder_alone_images_per_s']:8.1f} img/s "
+             f"(extraction / that {result['input_ratio_to_encoder_alone']:.3f})",
+             f"probe head {result['probe_images_per_s']:8.1f} img/s; {result['loader_workers']} decoding processes; "
+             f"load average {result['load_average']}"]
+    return _report(args, result, lines)
 
 
 def handle_train(args: argparse.Namespace) -> int:

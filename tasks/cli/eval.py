@@ -7,8 +7,18 @@ import argparse
 import logging
 from typing import Any
 
-from tasks.cli.options import add_command, add_data, add_mlflow_parent, add_output, add_preset, count
+from tasks.cli.options import (
+    add_command, add_config_flags, add_data, add_mlflow_parent, add_output, add_preset, config_from, count,
+)
 from vip_core.config import EVAL_TASKS
+
+EVAL_FLAGS = {
+    "--device": ("evaluation.device", str, "auto (CUDA when there is a device), cpu or cuda"),
+    "--workers": ("evaluation.num_workers", int, "Ray Train workers of a job that trains (0: this process)"),
+    "--cpus-per-worker": ("evaluation.cpus_per_worker", float, "CPUs per Ray worker (fractions allowed)"),
+    "--loader-workers": ("evaluation.loader_workers", int, "image-decoding processes"),
+    "--precision": ("evaluation.precision", str, "fp32, or bf16 autocast of the forwards"),
+}
 
 
 def register(subparsers: Any) -> None:
@@ -27,6 +37,9 @@ def register(subparsers: Any) -> None:
     add_preset(parser)
     parser.add_argument("--dp-finetune", metavar="NAME",
                         help="finetune with DP at a named setting (imagenet: the paper's ε 8, δ 8e-7)")
+    add_config_flags(parser, EVAL_FLAGS)
+    parser.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=None,
+                        help="also run the job on a random-init encoder (default: the preset's)")
     add_mlflow_parent(parser)
 
     data_parser = add_command(
@@ -41,11 +54,13 @@ def register(subparsers: Any) -> None:
 
 
 def evaluation_config(args: argparse.Namespace) -> Any:
-    """The preset, with the named DP fine-tuning setting when ``--dp-finetune`` is given."""
+    """The preset with the flags' fields, and the named DP fine-tuning setting when ``--dp-finetune`` is given."""
     from tasks.cli import UsageError
-    from vip_core.config import DP_FINETUNE_PRESETS, get_preset
+    from vip_core.config import DP_FINETUNE_PRESETS, with_overrides
 
-    config = get_preset(args.preset)
+    config = config_from(args, EVAL_FLAGS)
+    if args.baseline is not None:
+        config = with_overrides(config, {"evaluation.random_init_baseline": args.baseline})
     if args.dp_finetune is None:
         return config
     if args.task != "finetune":

@@ -11,6 +11,8 @@ from __future__ import annotations
 STAGES = ("ingest", "render", "pretrain-syn", "pretrain-dp", "eval", "audit")
 # The two pre-training stages by the ``stage`` argument of the pre-training task and ``vip pretrain``.
 PRETRAIN_STAGES = {"synthetic": "pretrain-syn", "private": "pretrain-dp"}
+# What a finished evaluation job stores in its folder.
+EVAL_METRICS_FILE = "metrics.json"
 
 if __name__ == "__main__":
     print(" ".join(STAGES))

@@ -77,6 +77,13 @@ def ray_session(num_workers: int = 1, cpus_per_worker: float = 1.0) -> Iterator[
         ray.shutdown()
 
 
+def worker_environment() -> dict[str, str]:
+    """The variables Ray Train workers need to find vip's state, the MLflow store and an S3-compatible endpoint,
+    also on another node (credentials stay with the nodes: environment, instance role or credentials file)."""
+    keys = ("VIP_HOME", "MLFLOW_TRACKING_URI", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION")
+    return {key: os.environ[key] for key in keys if key in os.environ}
+
+
 def _describe(ray_module, local: bool) -> dict:
     return {
         "address": ray_module.get_runtime_context().gcs_address,

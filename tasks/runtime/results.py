@@ -1,7 +1,8 @@
 """The results of a pipeline run: one summary dict, its MLflow metrics, and the table printed at the end.
 
-The table shows the privacy spent (ε of the target, δ, the number of DP steps) and every evaluation
-metric of the ViP encoder beside the same job on a randomly initialised encoder, its baseline.
+The table shows the privacy spent (ε of the target, δ, the number of DP steps) and, a row per pair of the
+evaluation suite and metric, the ViP encoder's number beside the same job on a randomly initialised encoder (its
+baseline, when the config runs it) and the paper's ViP-Base figure where the paper reports one.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from typing import Any, Mapping
 
 from tasks.runtime.tracking import numeric_leaves
 from vip_core.config import VipConfig
+from vip_core.eval.paper import paper_figure
 
 # What a single run's numbers can say: no confidence interval, one seed, the preset's scale.
 SCALE_NOTE = ("one run, no confidence intervals: at the {preset} preset's scale these numbers show that the stages run, "
@@ -70,14 +72,15 @@ def evaluation_metrics(evaluations: Mapping[str, Mapping[str, Any]]) -> dict[str
     return metrics
 
 
-def rows(evaluations: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, str, float | None, float | None]]:
-    """``(task, metric, ViP, random init)`` for every numeric evaluation metric."""
+def rows(evaluations: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, str, float | None, float | None, float | None]]:
+    """``(pair, metric, ViP, random init, paper's ViP-Base)`` for every numeric evaluation metric."""
     table = []
-    for task, values in evaluations.items():
+    for pair, values in evaluations.items():
         vip = numeric_leaves(values["result"], "")
         baseline = numeric_leaves(values.get("baseline") or {}, "")
         for name in dict.fromkeys([*vip, *baseline]):
-            table.append((task, name.lstrip("/"), vip.get(name), baseline.get(name)))
+            metric = name.lstrip("/")
+            table.append((pair, metric, vip.get(name), baseline.get(name), paper_figure(pair, metric)))
     return table
 
 
@@ -118,10 +121,11 @@ def text_table(summary: Mapping[str, Any]) -> str:
 
 
 def evaluation_table(evaluations: Mapping[str, Mapping[str, Any]]) -> list[str]:
-    """Each evaluation metric beside its random-init baseline and the difference, as aligned text lines."""
-    header = ("task", "metric", "ViP", "random init", "difference")
-    body = [(task, metric, _fmt(vip), _fmt(base), _difference(vip, base))
-            for task, metric, vip, base in rows(evaluations)]
+    """Each evaluation metric beside its random-init baseline, the difference and the paper's figure, as aligned
+    text lines."""
+    header = ("evaluation", "metric", "ViP", "random init", "difference", "paper ViP-Base")
+    body = [(pair, metric, _fmt(vip), _fmt(base), _difference(vip, base), _fmt(paper))
+            for pair, metric, vip, base, paper in rows(evaluations)]
     widths = [max(len(str(row[i])) for row in [header, *body]) for i in range(len(header))]
     return ["  " + "  ".join(str(cell).ljust(w) if i < 2 else str(cell).rjust(w)
                              for i, (cell, w) in enumerate(zip(row, widths)))
@@ -139,9 +143,9 @@ def markdown_table(summary: Mapping[str, Any]) -> str:
     """The same table as Markdown, for the flow run's artifact in the Prefect UI."""
     lines = [f"# ViP results, preset {summary['preset']}", "", f"**Privacy:** {privacy_line(summary)}", "",
              *([f"**Audit:** {audit_line(summary)}", ""] if audit_line(summary) else []),
-             "| task | metric | ViP | random init | difference |", "|---|---|---:|---:|---:|"]
-    lines += [f"| {task} | {metric} | {_fmt(vip)} | {_fmt(base)} | {_difference(vip, base)} |"
-              for task, metric, vip, base in rows(summary["evaluations"])]
+             "| evaluation | metric | ViP | random init | difference | paper ViP-Base |", "|---|---|---:|---:|---:|---:|"]
+    lines += [f"| {pair} | {metric} | {_fmt(vip)} | {_fmt(base)} | {_difference(vip, base)} | {_fmt(paper)} |"
+              for pair, metric, vip, base, paper in rows(summary["evaluations"])]
     lines += ["", SCALE_NOTE.format(preset=summary["preset"]).capitalize() + "."]
     lines += ["", f"Encoder `{summary['checkpoint']}`, registered as `{summary['registered_model']}`.",
               "", "The (ε, δ) guarantee covers the private pre-training data only; evaluation data is public."]

@@ -44,6 +44,7 @@ import torch
 
 from tasks.runtime.environment import state_paths
 from tasks.runtime.names import PRETRAIN_STAGES
+from tasks.runtime.ray_session import worker_environment
 from vip_core.atomic import atomic_path, write_json
 from vip_core.config import TrainingConfig, VipConfig, validate_config
 from vip_core.train.augment import draw_crop_flips
@@ -122,7 +123,7 @@ def run_pretrain(
         "plan": plan,
         "init_checkpoint": str(init_checkpoint) if init_checkpoint else None,
         "mlflow_run_id": run_id,
-        "env": _worker_environment(),
+        "env": worker_environment(),
         "fault": _fault_injection(output),
         "checkpoint_root": str((output / "ray" / PRETRAIN_STAGES[stage]).resolve()),
     }
@@ -271,13 +272,6 @@ def _plan_tags(plan: dict[str, Any]) -> dict[str, Any]:
     """The plan as flat tags: ``dataset_size``, ``sample_rate``, and the privacy plan's scalars."""
     merged = {**plan, **plan.get("privacy", {})}
     return {key: value for key, value in merged.items() if key not in _UNTAGGED}
-
-
-def _worker_environment() -> dict[str, str]:
-    """The variables workers need to find vip's state, the MLflow store and an S3-compatible endpoint, also on
-    another node (credentials stay with the nodes: environment, instance role or credentials file)."""
-    keys = ("VIP_HOME", "MLFLOW_TRACKING_URI", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION")
-    return {key: os.environ[key] for key in keys if key in os.environ}
 
 
 def _fault_injection(output: Path) -> dict[str, Any] | None:

@@ -206,11 +206,13 @@ def _arms_of(experiment: ReproduceConfig, seed: int | None) -> tuple[str, ...]:
 
 
 def _images(dataset) -> tuple[torch.Tensor, torch.Tensor]:
-    """All of a split, ``([N, 3, H, W], [N])``."""
+    """All of a split, normalised, ``([N, 3, H, W], [N])``."""
     from torch.utils.data import DataLoader
 
+    from vip_core.train.data import normalise
+
     batches = list(DataLoader(dataset, batch_size=FEATURE_BATCH))
-    return torch.cat([b[0] for b in batches]), torch.cat([torch.as_tensor(b[1]) for b in batches])
+    return normalise(torch.cat([b[0] for b in batches])), torch.cat([torch.as_tensor(b[1]) for b in batches])
 
 
 def _arm_features(experiment: ReproduceConfig, arm: str, seed: int, checkpoints: Mapping[str, str],

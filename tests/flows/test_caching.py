@@ -6,7 +6,9 @@ import os
 from types import SimpleNamespace
 
 from flows.caching import eval_folder, eval_stage, stage_cache_key, stage_folder
-from vip_core.config import EVAL_TASK_FIELDS, EVAL_TASKS, EvaluationConfig, tiny, with_overrides
+from vip_core.config import (
+    EVAL_SPEED_FIELDS, EVAL_TASK_FIELDS, EVAL_TASKS, EvalPair, EvaluationConfig, tiny, with_overrides,
+)
 
 CONTEXT = SimpleNamespace()
 
@@ -59,13 +61,27 @@ def test_a_changed_evaluation_field_reruns_only_the_jobs_that_read_it(tmp_path):
         changed = with_overrides(config, {field: value})
         rerun = {task for task in EVAL_TASKS if _eval_key(changed, task) != _eval_key(config, task)}
         moved = {task for task in EVAL_TASKS
-                 if eval_folder(changed, tmp_path, task, "c", "d") != eval_folder(config, tmp_path, task, "c", "d")}
+                 if eval_folder(changed, tmp_path, pair(task), "c", "d") != eval_folder(config, tmp_path, pair(task), "c", "d")}
         assert rerun == moved == readers, field
 
 
-def test_every_evaluation_setting_is_in_the_key_of_a_job():
+def pair(task: str, data: str = "classification") -> EvalPair:
+    return EvalPair(task=task, data=data)
+
+
+def test_every_evaluation_setting_is_in_the_key_of_a_job_but_what_changes_only_the_speed():
     read = {name for fields in EVAL_TASK_FIELDS.values() for name in fields}
-    assert read == set(EvaluationConfig.model_fields) - {"tasks"}
+    assert read == set(EvaluationConfig.model_fields) - {"tasks", "suite", *EVAL_SPEED_FIELDS}
+    config = tiny()
+    faster = with_overrides(config, {"evaluation.loader_workers": 4, "evaluation.cpus_per_worker": 0.5})
+    assert all(_eval_key(faster, task) == _eval_key(config, task) for task in EVAL_TASKS)
+
+
+def test_two_pairs_of_one_task_have_folders_of_their_own(tmp_path):
+    config = tiny()
+    imagenet, places = (eval_folder(config, tmp_path, pair("linprobe", data), "c", "d") for data in ("imagenet", "places365"))
+    assert imagenet != places and imagenet.startswith(str(tmp_path / "eval-linprobe-imagenet-"))
+    assert eval_folder(config, tmp_path, pair("linprobe"), "c", "d").startswith(str(tmp_path / "eval-linprobe-"))
 
 
 def test_a_rewritten_input_file_changes_the_key(tmp_path):

@@ -49,10 +49,10 @@ def test_a_file_rewritten_in_the_bucket_changes_the_jobs_cache_key_and_folder(ev
     url = "s3://vip-flow-rewritten"
 
     def key_and_folder():
-        parameters = {"config": CONFIG, "task": "fewshot", "checkpoint": checkpoint, "data": f"{url}/classification",
-                      "output": "/o", "parent_run_id": None}
+        parameters = {"config": CONFIG, "task": "fewshot", "name": "fewshot", "checkpoint": checkpoint,
+                      "data": f"{url}/classification", "output": "/o", "parent_run_id": None}
         return (stage_cache_key(eval_stage)(None, parameters),
-                eval_folder(CONFIG, tmp_path, "fewshot", checkpoint, url))
+                eval_folder(CONFIG, tmp_path, CONFIG.evaluation.pairs[0], checkpoint, url))
 
     before = key_and_folder()
     assert key_and_folder() == before

@@ -12,6 +12,13 @@ Layouts:
 
 Every problem with the data is raised as one line naming the path: ``FileNotFoundError`` for a
 missing path, ``ValueError`` for a malformed file.
+
+Items are read by index or by an ``(index, epoch)`` key (:mod:`vip_core.eval.loading`). A training image's
+augmentation draws from :data:`Draws` of its key: for public jobs a generator of the image's own, keyed by the job's
+seed, the epoch and the index (:func:`keyed_draws`), so the draws are the same whichever decoding process or worker
+reads it and wherever a resumed run restarts; for DP fine-tuning the private run's stream (:func:`stream_draws`).
+A JPEG is decoded at the smallest scale that still covers what the transform needs (PIL's ``draft``): a 500 px
+ImageNet photograph for a 224 px model decodes at half size.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 from torchvision.transforms import v2 as T
 
-from vip_core.eval.seeding import seeded
+from vip_core.eval.seeding import generator, seeded
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -55,10 +62,16 @@ def _image_files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
 
 
-def load_rgb(path: Path) -> Image.Image:
-    """The image at ``path`` as RGB; an unreadable file is a one-line ``ValueError``."""
+def load_rgb(path: Path, draft: int | None = None) -> Image.Image:
+    """The image at ``path`` as RGB; an unreadable file is a one-line ``ValueError``.
+
+    ``draft``: a JPEG is decoded at the smallest DCT scale (1/2, 1/4, 1/8) whose shorter side is still at least
+    this many pixels; other formats decode whole.
+    """
     try:
         with Image.open(path) as image:
+            if draft is not None:
+                image.draft("RGB", (draft, draft))
             return image.convert("RGB")
     except (OSError, SyntaxError) as error:
         raise ValueError(f"unreadable image {path}: {error}") from None
@@ -72,9 +85,28 @@ Uniform = Callable[[tuple[int, ...]], torch.Tensor]
 private run's ``RandomStream.uniform``), never torch's global generator."""
 
 
+Draws = Callable[[tuple[int, int]], Uniform]
+"""Where the augmentation of the image with key ``(index, epoch)`` draws from."""
+
+
 def uniform_from(generator: torch.Generator) -> Uniform:
     """Uniform draws from ``generator``."""
     return lambda shape: torch.rand(shape, generator=generator)
+
+
+def keyed_draws(seed: int, name: str) -> Draws:
+    """Each image's own draws in each epoch, keyed by the job's ``seed``, ``name``, the epoch and the index."""
+    return lambda key: uniform_from(generator(seed, name, str(key[1]), str(key[0])))
+
+
+def stream_draws(uniform: Uniform) -> Draws:
+    """Every image's draws from one stream (a private run's), in the order the images are read."""
+    return lambda key: uniform
+
+
+def item_key(key: int | tuple[int, int]) -> tuple[int, int]:
+    """``(index, epoch)`` of an item key; a bare index is epoch 0."""
+    return (int(key[0]), int(key[1])) if isinstance(key, tuple) else (int(key), 0)
 
 
 class RandomCropFlip:
@@ -132,23 +164,35 @@ class DrawnRandAugment:
 def classification_transform(img_size: int, augment: Uniform | None = None,
                              randaugment: int = 0) -> Callable[[Image.Image], torch.Tensor]:
     """:class:`RandomCropFlip` drawing from ``augment`` (then :class:`DrawnRandAugment` at magnitude
-    ``randaugment`` when it is not 0), or without it resize and centre crop; ImageNet norm."""
+    ``randaugment`` when it is not 0), or without it resize and centre crop: uint8 ``[3, S, S]``, normalised where
+    it is used (:func:`vip_core.train.data.normalise`, on the job's device): a quarter of the bytes to move, and
+    no float work in the decoding processes."""
     if augment is not None:
         geometry = [RandomCropFlip(img_size, augment)]
         geometry += [DrawnRandAugment(randaugment, augment)] if randaugment else []
     else:
         geometry = [T.Resize(img_size, antialias=True), T.CenterCrop(img_size)]
-    return T.Compose([T.ToImage(), *geometry, T.ToDtype(torch.float32, scale=True),
-                      T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+    return T.Compose([T.ToImage(), *geometry])
+
+
+def draft_side(img_size: int, augmented: bool) -> int:
+    """The shorter side a JPEG must keep when decoded for ``img_size``: more under :class:`RandomCropFlip`, whose
+    smallest crop (half the area) is then still at least ``img_size`` pixels wide."""
+    return math.ceil(img_size / math.sqrt(RandomCropFlip.SCALE[0])) if augmented else img_size
 
 
 class ImageFolderDataset(Dataset):
-    """(image, label) pairs from ``split/<class>/<image>`` with a given class-to-index map."""
+    """(image, label) pairs from ``split/<class>/<image>`` with a given class-to-index map, as ``img_size`` px
+    uint8 tensors: augmented with draws from ``draws`` (random crops and flips, RandAugment at ``randaugment`` when it is
+    not 0), or resized and centre-cropped without them."""
 
-    def __init__(self, split_dir: Path, class_to_idx: dict[str, int], transform: Callable) -> None:
+    def __init__(self, split_dir: Path, class_to_idx: dict[str, int], img_size: int, draws: Draws | None = None,
+                 randaugment: int = 0) -> None:
         self.split_dir = require_dir(split_dir, "image folder split")
         self.class_to_idx = class_to_idx
-        self.transform = transform
+        self.img_size, self.draws, self.randaugment = img_size, draws, randaugment
+        self.draft = draft_side(img_size, augmented=draws is not None)
+        self.plain = classification_transform(img_size) if draws is None else None
         self.samples: list[tuple[Path, int]] = []
         for class_dir in sorted(p for p in split_dir.iterdir() if p.is_dir()):
             if class_dir.name not in class_to_idx:
@@ -160,9 +204,12 @@ class ImageFolderDataset(Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+    def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, int]:
+        index, _ = key = item_key(key)
         path, label = self.samples[index]
-        return self.transform(load_rgb(path)), label
+        transform = self.plain if self.plain is not None else classification_transform(
+            self.img_size, self.draws(key), self.randaugment)
+        return transform(load_rgb(path, self.draft)), label
 
     @property
     def labels(self) -> torch.Tensor:
@@ -182,12 +229,12 @@ class ClassificationData:
     def num_classes(self) -> int:
         return len(self.classes)
 
-    def split(self, name: str, img_size: int, augment: Uniform | None = None, randaugment: int = 0) -> ImageFolderDataset:
-        """``name`` is ``train`` or ``val``; ``augment``: random crops and flips drawn from it, and RandAugment at
+    def split(self, name: str, img_size: int, draws: Draws | None = None, randaugment: int = 0) -> ImageFolderDataset:
+        """``name`` is ``train`` or ``val``; ``draws``: random crops and flips drawn from them, and RandAugment at
         magnitude ``randaugment`` (0: none)."""
         folder = self.train_dir if name == "train" else self.val_dir
         class_to_idx = {name: index for index, name in enumerate(self.classes)}
-        return ImageFolderDataset(folder, class_to_idx, classification_transform(img_size, augment, randaugment))
+        return ImageFolderDataset(folder, class_to_idx, img_size, draws, randaugment)
 
 
 def open_classification(root: str | Path) -> ClassificationData:
@@ -281,9 +328,9 @@ class CocoDetectionDataset(Dataset):
     def __len__(self) -> int:
         return len(self.images)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        info = self.images[index]
-        picture = load_rgb(self.image_dir / info["file_name"]).resize((self.size, self.size), Image.BILINEAR)
+    def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        info = self.images[item_key(key)[0]]
+        picture = load_rgb(self.image_dir / info["file_name"], self.size).resize((self.size, self.size), Image.BILINEAR)
         image = torch.from_numpy(np.array(picture)).permute(2, 0, 1).float() / 255  # [3, S, S]
         return image, self._target(info)
 
@@ -371,31 +418,31 @@ def read_label_map(path: Path, num_classes: int) -> np.ndarray:
 class SegmentationDataset(Dataset):
     """ADE20K pairs: the image resized to ``size`` × ``size`` and its label map.
 
-    Training items (``augment`` given) carry the label map resized (nearest) to the square, both flipped
-    horizontally with probability 1/2 drawn from ``augment``; evaluation items (``augment`` None) keep the
-    label map at its original size, so mIoU is measured at full resolution.
+    Training items (``draws`` given) carry the label map resized (nearest) to the square, both flipped
+    horizontally with probability 1/2 drawn from ``draws`` of the item's key; evaluation items (``draws`` None)
+    keep the label map at its original size, so mIoU is measured at full resolution.
     """
 
     def __init__(self, pairs: list[tuple[Path, Path]], size: int, num_classes: int,
-                 augment: Uniform | None = None) -> None:
+                 draws: Draws | None = None) -> None:
         self.pairs = pairs
         self.size = size
         self.num_classes = num_classes
-        self.augment = augment
+        self.draws = draws
         self.normalize = T.Normalize(IMAGENET_MEAN, IMAGENET_STD)
 
     def __len__(self) -> int:
         return len(self.pairs)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        image_path, label_path = self.pairs[index]
-        picture = load_rgb(image_path).resize((self.size, self.size), Image.BILINEAR)
+    def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        image_path, label_path = self.pairs[item_key(key)[0]]
+        picture = load_rgb(image_path, self.size).resize((self.size, self.size), Image.BILINEAR)
         image = torch.from_numpy(np.array(picture)).permute(2, 0, 1).float() / 255  # [3, S, S]
         labels = read_label_map(label_path, self.num_classes)  # [H, W]
-        if self.augment is not None:
+        if self.draws is not None:
             resized = Image.fromarray(labels.astype(np.uint8)).resize((self.size, self.size), Image.NEAREST)
             labels = np.asarray(resized).astype(np.int64)  # [S, S]
-            if self.augment((1,)).item() < 0.5:
+            if self.draws(item_key(key))((1,)).item() < 0.5:
                 image, labels = image.flip(-1), labels[:, ::-1].copy()
         return self.normalize(image), torch.from_numpy(labels)
 

@@ -4,7 +4,9 @@ The encoder feeds ViTDet's simple feature pyramid (:mod:`vip_core.eval.pyramid`)
 torchvision's Faster R-CNN (boxes) or Mask R-CNN (boxes and masks). Images are resized to a square of
 ``img_size`` (the encoder's position embeddings are resampled to that grid); the detector is trained end
 to end with AdamW and layer-wise lr decay on the encoder, and evaluated by pycocotools on the original
-image coordinates: AP (IoU 0.50:0.95) and AP50 for boxes, and for masks when present.
+image coordinates: AP (IoU 0.50:0.95) and AP50 for boxes, and for masks when present. As one of several workers,
+each trains on its share of every global batch and detects in its block of the validation split; rank 0 gathers
+the detections and scores them (the other workers return no metrics).
 """
 
 from __future__ import annotations
@@ -30,9 +32,11 @@ from torchvision.ops import MultiScaleRoIAlign
 from vip_core.eval.datasets import (
     IMAGENET_MEAN, IMAGENET_STD, CocoDetectionDataset, coco_has_masks, coco_paths, detection_collate, read_coco_json,
 )
-from vip_core.eval.fit import FitSettings, fit, layer_decay_adamw
+from vip_core.eval.fit import EpochCheckpoint, FitSettings, fit, layer_decay_adamw
+from vip_core.eval.loading import EpochBatches, Loading, rank_block
 from vip_core.eval.pyramid import SimpleFeaturePyramid, resize_encoder
-from vip_core.eval.seeding import data_loader, generator, job_seed, seeded
+from vip_core.eval.seeding import job_seed, seeded
+from vip_core.train.distributed import gather_objects, rank_and_world
 
 logger = logging.getLogger(__name__)
 
@@ -82,42 +86,47 @@ def build_detector(encoder: nn.Module, num_classes: int, with_masks: bool, setti
     )
 
 
-def train_detector(detector: nn.Module, dataset: CocoDetectionDataset, settings: DetectionSettings,
-                   device: torch.device) -> nn.Module:
+def train_detector(detector: nn.Module, dataset: CocoDetectionDataset, settings: DetectionSettings, loading: Loading,
+                   checkpoint: EpochCheckpoint | None = None) -> nn.Module:
     """End-to-end training for ``settings.epochs`` epochs; returns the detector in eval mode."""
-    loader = data_loader(dataset, batch_size=settings.batch_size, generator=generator(settings.seed, "shuffle"),
-                         shuffle=True, collate_fn=detection_collate)
-    steps = itertools.count()
+    sampler = EpochBatches(len(dataset), settings.batch_size, seed=settings.seed, name="detection order")
     optimizer = layer_decay_adamw(detector, "backbone.encoder.", lr=settings.lr, weight_decay=settings.weight_decay,
                                   layer_decay=settings.layer_decay)
-    detector.to(device)
+    detector.to(loading.device)
+    rank, _ = rank_and_world()
+    steps = itertools.count()
 
     def loss_of(batch: tuple[list[torch.Tensor], list[dict]]) -> torch.Tensor:
         images, targets = batch
-        with seeded(job_seed(settings.seed, "samplers", str(next(steps)))):  # torchvision's RPN and RoI samplers
-            losses = detector([image.to(device) for image in images],
-                              [{key: value.to(device) for key, value in target.items()} for target in targets])
+        draws = job_seed(settings.seed, "samplers", str(next(steps)), str(rank))
+        with seeded(draws):  # torchvision's RPN and RoI samplers
+            losses = detector([loading.to_device(image) for image in images],
+                              [{key: loading.to_device(value) for key, value in target.items()} for target in targets])
         return sum(losses.values())
 
-    fit(detector, optimizer, lambda: loader, loss_of, epochs=settings.epochs, steps_per_epoch=len(loader),
-        name="detection")
+    def epoch_start(epoch: int) -> None:
+        nonlocal steps
+        steps = itertools.count(epoch * len(sampler))
+
+    fit(detector, optimizer, loading.epochs(dataset, sampler, detection_collate), loss_of, epochs=settings.epochs,
+        steps_per_epoch=len(sampler), name="detection", checkpoint=checkpoint, epoch_start=epoch_start)
     return detector.eval()
 
 
 @torch.no_grad()
 def predict_coco(detector: nn.Module, dataset: CocoDetectionDataset, batch_size: int,
-                 device: torch.device) -> list[dict[str, Any]]:
-    """Detections in COCO result format, in each image's original coordinates."""
+                 loading: Loading) -> list[dict[str, Any]]:
+    """Detections in COCO result format, in each image's original coordinates, of every worker's block."""
     from pycocotools import mask as mask_utils
 
-    detector.to(device).eval()
+    detector.to(loading.device).eval()
+    block = rank_block(dataset)
+    infos = iter([dataset.images[index] for index in getattr(block, "indices", range(len(dataset)))])
     results = []
-    loader = data_loader(dataset, batch_size=batch_size, shuffle=False, collate_fn=detection_collate)
-    infos = iter(dataset.images)
-    for images, _ in loader:
-        for output in detector([image.to(device) for image in images]):
+    for images, _ in loading.in_order(block, batch_size, detection_collate):
+        for output in detector([loading.to_device(image) for image in images]):
             results += _to_coco(output, next(infos), dataset, mask_utils)
-    return results
+    return [detection for part in gather_objects(results) for detection in part]
 
 
 def _to_coco(output: dict[str, torch.Tensor], info: dict[str, Any], dataset: CocoDetectionDataset,
@@ -176,17 +185,19 @@ def open_coco(root: str | Path) -> dict[str, Any]:
     return splits
 
 
-def detection_eval(encoder: nn.Module, root: str | Path, settings: DetectionSettings,
-                   device: torch.device) -> dict[str, float]:
-    """Trains a detector on ``root``'s train split and returns AP on its val split."""
+def detection_eval(encoder: nn.Module, root: str | Path, settings: DetectionSettings, loading: Loading,
+                   checkpoint: EpochCheckpoint | None = None) -> dict[str, float]:
+    """Trains a detector on ``root``'s train split and returns AP on its val split (rank 0; ``{}`` elsewhere)."""
     splits = open_coco(root)
     with_masks = splits["with_masks"]
     train = CocoDetectionDataset(splits["train"]["data"], splits["train"]["images"], settings.img_size, with_masks)
     val = CocoDetectionDataset(splits["val"]["data"], splits["val"]["images"], settings.img_size, with_masks)
     with seeded(job_seed(settings.seed, "heads")):
         detector = build_detector(encoder, len(train.category_ids), with_masks, settings)
-    train_detector(detector, train, settings, device)
-    detections = predict_coco(detector, val, settings.batch_size, device)
+    train_detector(detector, train, settings, loading, checkpoint)
+    detections = predict_coco(detector, val, settings.batch_size, loading)
+    if rank_and_world()[0] != 0:
+        return {}
     box = coco_average_precision(splits["val"]["annotations"], detections, "bbox")
     metrics = {"ap_box": box["ap"], "ap50_box": box["ap50"]}
     if with_masks:

@@ -8,6 +8,12 @@ run is a :class:`~vip_core.train.step.PrivateStep` with fine-tuning's layer-deca
 warmup-cosine schedule: Poisson sampling at q = B / N, per-sample clipping to C over every parameter,
 Gaussian noise σC once per step, division by B, randomness from fresh 128-bit OS entropy. This guarantee
 covers the fine-tuning data; pre-training data has its own.
+
+Across ``W`` workers it runs the way private pre-training does (``tasks/stages/pretrain.py``): the plan is charged
+once, before any worker starts; each worker owns a contiguous block of the set and Poisson-samples it at q with its
+own stream, and the private step adds the noise on rank 0 only and sums the clipped gradients over the workers, so
+the union of the blocks' samples is a Poisson sample of the whole set and the noise has std σC whatever ``W`` is.
+Rank 0 settles the run's charge in the set's one ledger with the steps taken.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from vip_core.eval.fit import WARMUP_FRACTION, layer_decay_param_groups
 from vip_core.privacy.ledger import LedgerBook
 from vip_core.privacy.plan import PrivacyPlan, fingerprint_of, plan_and_charge, settle_charge
 from vip_core.privacy.randomness import RandomStream
+from vip_core.train.data import normalise, partition_range
+from vip_core.train.distributed import broadcast_parameters, rank_and_world
 from vip_core.train.loop import run_steps
 from vip_core.train.precision import autocast
 from vip_core.train.schedule import Schedule
@@ -76,40 +84,45 @@ def dp_finetune(model: EncoderClassifier, train: Dataset, settings: FinetuneSett
 
     Args:
         model: the classifier (moved to ``device``).
-        train: the fine-tuning set, whose items are ``(image [3, S, S], label)``.
+        train: the fine-tuning set, whose items are ``(uint8 image [3, S, S], label)``.
         settings: the fine-tuning hyperparameters (base lr per 256, layer decay, weight decay, label smoothing;
             mixup and cutmix are not used: they mix samples).
         private: the DP fine-tuning settings (physical batch size).
         plan: the plan from :func:`plan_dp_finetune`.
         device: where to train.
         run: this run's id, one of the ids the plan was charged for.
-        ledgers: the folder of the privacy ledgers (the set's charge is settled with the steps taken).
+        ledgers: the folder of the privacy ledgers (rank 0 settles the set's charge with the steps taken).
         earlier_runs: runs of this plan already taken (their steps count in ε).
     """
     model.to(device).train()
+    broadcast_parameters(model)
+    rank, world = rank_and_world()
+    start, stop = partition_range(len(train), rank, world)  # this worker's block of the set
     lr = settings.lr * plan.batch_size / 256
     groups = layer_decay_param_groups(model, "encoder.", len(model.encoder.blocks), lr, settings.weight_decay,
                                       settings.layer_decay)
     schedule = Schedule(peak_lr=lr, total_steps=plan.steps, warmup_steps=max(1, int(plan.steps * WARMUP_FRACTION)))
-    step = PrivateStep(model, plan, schedule, physical_batch_size=private.physical_batch_size, betas=(0.9, 0.999),
-                       weight_decay=settings.weight_decay, param_groups=groups, earlier_runs=earlier_runs)
+    step = PrivateStep(model, plan, schedule, local_size=stop - start, physical_batch_size=private.physical_batch_size,
+                       betas=(0.9, 0.999), weight_decay=settings.weight_decay, param_groups=groups,
+                       earlier_runs=earlier_runs)
 
-    def batch(indices: torch.Tensor, stream: RandomStream) -> torch.Tensor:
-        return indices  # [k]: the images are read one microbatch at a time by the loss
+    def batch(local: torch.Tensor, stream: RandomStream) -> torch.Tensor:
+        return local + start  # [k] indices of the set: the images are read one microbatch at a time by the loss
 
     def loss(classifier: nn.Module, indices: torch.Tensor) -> torch.Tensor:
         images, labels = _gather(train, indices)  # images: [b, 3, S, S], labels: [b]
         with autocast(settings.precision, device):
-            logits = classifier(images.to(device))  # [b, classes]
+            logits = classifier(normalise(images.to(device)))  # [b, classes]
         return nn.functional.cross_entropy(logits.float(), labels.to(device), reduction="none",
                                            label_smoothing=settings.label_smoothing)  # [b]
 
     def progress(report: StepReport) -> None:
-        if report.step % max(1, plan.steps // 5) == 0:
+        if rank == 0 and report.step % max(1, plan.steps // 5) == 0:
             logger.info("DP fine-tune step %d/%d: epsilon %.3f", report.step, plan.steps, report.epsilon)
 
     result = run_steps(step, batch, loss, until=plan.steps, on_step=progress)
-    settle_charge(LedgerBook.for_data_set(plan.fingerprint, ledgers), plan, run, PURPOSE, result.steps)
+    if rank == 0:
+        settle_charge(LedgerBook.for_data_set(plan.fingerprint, ledgers), plan, run, PURPOSE, result.steps)
     return step.epsilon
 
 

@@ -3,18 +3,18 @@
 For each k (1, 5, 10 by default) and each seed, k training images per class are drawn, a ridge
 regression classifier (one-hot targets, closed form) is fitted on their standardised features, and top-1
 accuracy is measured on the whole held-out split. The report gives the mean and
-the standard deviation over seeds.
+the standard deviation over seeds. Only the drawn training images are encoded, and the held-out split's features
+are scored a batch at a time by every classifier: the memory does not grow with either split.
 """
 
 from __future__ import annotations
 
 import logging
 import statistics
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
-
-from vip_core.eval.features import topk_accuracy
 
 logger = logging.getLogger(__name__)
 
@@ -44,24 +44,39 @@ def fit_ridge_classifier(features: torch.Tensor, labels: torch.Tensor, num_class
     return classifier
 
 
-def few_shot(train: tuple[torch.Tensor, torch.Tensor], val: tuple[torch.Tensor, torch.Tensor], num_classes: int,
-             *, shots: tuple[int, ...], seeds: int, l2: float, seed: int = 0) -> dict[str, float]:
-    """``{"1shot_top1": mean, "1shot_top1_std": std, ...}`` over ``seeds`` draws of each shot count."""
-    train_features, train_labels = train
-    val_features, val_labels = val
+def few_shot(train_labels: torch.Tensor, features_of: Callable[[torch.Tensor], torch.Tensor],
+             val: Iterable[tuple[torch.Tensor, torch.Tensor]], num_classes: int, *, shots: tuple[int, ...], seeds: int,
+             l2: float, seed: int = 0) -> dict[str, float]:
+    """``{"1shot_top1": mean, "1shot_top1_std": std, ...}`` over ``seeds`` draws of each shot count.
+
+    Args:
+        train_labels: ``[N]`` labels of the training split.
+        features_of: ``[M, F]`` features of training images ``indices: [M]``.
+        val: the held-out split's ``(features [b, F], labels [b])``, a batch at a time.
+        num_classes: the number of classes.
+        shots: the shot counts k.
+        seeds: draws of each k.
+        l2: the ridge penalty.
+        seed: the draws' seed.
+    """
+    draws = {(k, draw): sample_shots(train_labels, k, torch.Generator().manual_seed(seed * 1000 + draw))
+             for k in shots for draw in range(seeds)}  # each [k * C]
+    wanted = torch.unique(torch.cat(list(draws.values())))  # [M], ascending
+    rows = features_of(wanted)  # [M, F]
+    classifiers = {}
+    for key, index in draws.items():
+        shot = rows[torch.searchsorted(wanted, index)]  # [k * C, F]
+        mean, std = shot.mean(0), shot.std(0, unbiased=False) + 1e-6  # [F]
+        classifiers[key] = (mean, std, fit_ridge_classifier((shot - mean) / std, train_labels[index], num_classes, l2))
+    hits, count = dict.fromkeys(draws, 0), 0
+    with torch.no_grad():
+        for features, labels in val:  # features: [b, F]
+            for key, (mean, std, classifier) in classifiers.items():
+                hits[key] += int((classifier((features - mean) / std).argmax(1) == labels).sum())
+            count += len(labels)
     result: dict[str, float] = {}
     for k in shots:
-        accuracies = []
-        for draw in range(seeds):
-            generator = torch.Generator().manual_seed(seed * 1000 + draw)
-            index = sample_shots(train_labels, k, generator)  # [k * C]
-            mean = train_features[index].mean(0)
-            std = train_features[index].std(0, unbiased=False) + 1e-6  # [F]
-            classifier = fit_ridge_classifier((train_features[index] - mean) / std, train_labels[index],
-                                              num_classes, l2)
-            with torch.no_grad():
-                logits = classifier((val_features - mean) / std)  # [N, C]
-            accuracies.append(topk_accuracy(logits, val_labels, ks=(1,))["top1"])
+        accuracies = [hits[(k, draw)] / count for draw in range(seeds)]
         result[f"{k}shot_top1"] = statistics.fmean(accuracies)
         result[f"{k}shot_top1_std"] = statistics.pstdev(accuracies)
         logger.info("%d-shot top-1 over %d seeds: %s", k, seeds, accuracies)

@@ -3,21 +3,27 @@
 The protocol of MAE and ViP: the features are the mean-pooled patch tokens of the last k blocks
 (:func:`vip_core.eval.features.pooled_block_features`), normalised by a ``BatchNorm1d(affine=False)``
 and classified by a linear layer trained with LARS (or SGD) under a warmup-then-cosine schedule, no
-weight decay. The encoder is frozen and the images are not augmented, so the features are computed once.
+weight decay. The encoder is frozen and the images are not augmented, so the features are computed once, and read
+a batch at a time (:mod:`vip_core.eval.feature_store`): the probe's memory does not grow with the data set. As one
+of several workers, each trains on its share of every global batch (:mod:`vip_core.eval.loading`) and scores its
+block of the held-out split.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Iterator, Literal
 
 import torch
 from torch import nn
 
-from vip_core.eval.features import topk_accuracy
-from vip_core.eval.fit import fit
+from vip_core.eval.feature_store import Features, InMemoryFeatures
+from vip_core.eval.features import TopK
+from vip_core.eval.fit import EpochCheckpoint, fit
+from vip_core.eval.loading import EpochBatches
 from vip_core.eval.seeding import job_seed, seeded
+from vip_core.train.data import partition_range
+from vip_core.train.distributed import rank_and_world
 
 class LARS(torch.optim.Optimizer):
     """Layer-wise adaptive rate scaling (You et al. 2017), as MAE's linear probe uses it.
@@ -70,37 +76,49 @@ class ProbeSettings:
     seed: int = 0
 
 
-def train_probe(features: torch.Tensor, labels: torch.Tensor, num_classes: int, settings: ProbeSettings) -> nn.Module:
-    """A trained probe head on ``features: [N, F]`` and ``labels: [N]``."""
-    generator = torch.Generator().manual_seed(settings.seed)
+def train_probe(train: Features, num_classes: int, settings: ProbeSettings, device: torch.device = torch.device("cpu"),
+                checkpoint: EpochCheckpoint | None = None) -> nn.Module:
+    """A trained probe head on ``train``'s features, read a batch at a time, trained on ``device``."""
     with seeded(job_seed(settings.seed, "head")):
-        head = probe_head(features.shape[1], num_classes)
+        head = probe_head(train.dim, num_classes).to(device)
     lr = settings.lr * settings.batch_size / 256
     if settings.optimizer == "lars":
         optimizer = LARS(head.parameters(), lr=lr, weight_decay=0.0)
     else:
         optimizer = torch.optim.SGD(head.parameters(), lr=lr, momentum=0.9, weight_decay=0.0)
+    sampler = EpochBatches(len(train), settings.batch_size, seed=settings.seed, name="probe order")
 
-    def batches() -> Iterator[torch.Tensor]:
-        order = torch.randperm(len(features), generator=generator)
-        return (batch for batch in order.split(settings.batch_size) if len(batch) >= 2)  # BatchNorm needs two
+    def batches(epoch: int) -> Iterator[torch.Tensor]:
+        shares = (torch.tensor([index for index, _ in share]) for share in sampler.set_epoch(epoch))
+        return (share for share in shares if len(share) >= 2)  # BatchNorm needs two
 
-    def loss_of(batch: torch.Tensor) -> torch.Tensor:
-        return nn.functional.cross_entropy(head(features[batch]), labels[batch])  # features: [B, F]
+    def loss_of(share: torch.Tensor) -> torch.Tensor:
+        features = train.rows(share).to(device).float()  # [b, F]
+        return nn.functional.cross_entropy(head(features), train.labels[share].to(device))
 
-    fit(head, optimizer, batches, loss_of, epochs=settings.epochs,
-        steps_per_epoch=math.ceil(len(features) / settings.batch_size), name="linear probe")
+    fit(head, optimizer, batches, loss_of, epochs=settings.epochs, steps_per_epoch=len(sampler), name="linear probe",
+        checkpoint=checkpoint)
     return head.eval()
 
 
 @torch.no_grad()
-def evaluate_probe(head: nn.Module, features: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
-    """Top-1 and top-5 accuracy of ``head`` on ``features: [N, F]``."""
-    return topk_accuracy(head.eval()(features), labels)
+def evaluate_probe(head: nn.Module, features: Features, batch_size: int = 4096,
+                   device: torch.device = torch.device("cpu")) -> dict[str, float]:
+    """Top-1 and top-5 accuracy of ``head`` on ``features``: this worker's block, summed over the workers."""
+    head.eval()
+    rank, world = rank_and_world()
+    start, stop = partition_range(len(features), rank, world)
+    scores = TopK()
+    for rows in torch.arange(start, stop).split(batch_size):
+        scores.add(head(features.rows(rows).to(device).float()), features.labels[rows])
+    return scores.accuracy()
 
 
-def linear_probe(train: tuple[torch.Tensor, torch.Tensor], val: tuple[torch.Tensor, torch.Tensor],
-                 num_classes: int, settings: ProbeSettings) -> dict[str, float]:
-    """Trains on ``train = (features, labels)``; returns top-1/top-5 on ``val``."""
-    head = train_probe(*train, num_classes, settings)
-    return evaluate_probe(head, *val)
+def linear_probe(train: Features | tuple[torch.Tensor, torch.Tensor], val: Features | tuple[torch.Tensor, torch.Tensor],
+                 num_classes: int, settings: ProbeSettings, device: torch.device = torch.device("cpu"),
+                 checkpoint: EpochCheckpoint | None = None) -> dict[str, float]:
+    """Trains on ``train`` (features, or ``(features [N, F], labels [N])`` in memory); returns top-1/top-5 on
+    ``val``."""
+    train, val = (InMemoryFeatures(*split) if isinstance(split, tuple) else split for split in (train, val))
+    head = train_probe(train, num_classes, settings, device, checkpoint)
+    return evaluate_probe(head, val, settings.batch_size, device)

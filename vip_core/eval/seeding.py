@@ -5,9 +5,9 @@ torch keeps one global generator per process. Evaluation jobs run in parallel th
 other numbers from one run to the next. A job draws instead from generators of its own, keyed by the
 config's seed and the job's name (:func:`job_seed`):
 
-* ``torch.Generator`` objects (:func:`generator`) given to its shuffles, its augmentation, its drop path and
-  every :func:`data_loader` (a ``DataLoader`` without one draws its workers' base seed from the global
-  generator), and a numpy generator (:func:`numpy_generator`) for its mixup and cutmix;
+* ``torch.Generator`` objects (:func:`generator`) for its epochs' orders, each image's augmentation, its drop path
+  and every ``DataLoader`` (:class:`vip_core.eval.loading.Loading`: one without a generator draws its workers'
+  base seed from the global generator), and numpy generators (:func:`numpy_generator`) for its mixup and cutmix;
 * for what can only draw from the global generator (a module's initialisation, torchvision's detection
   samplers and RandAugment), a block under :func:`seeded`: the global generator seeded for the block and restored after
   it, under one lock of the process, so no other job draws from it meanwhile.
@@ -26,7 +26,6 @@ from typing import Iterator
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
 
 _GLOBAL_GENERATOR = threading.RLock()
 
@@ -55,9 +54,3 @@ def seeded(seed: int) -> Iterator[None]:
     with _GLOBAL_GENERATOR, torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         yield
-
-
-def data_loader(dataset: Dataset, *, batch_size: int, generator: torch.Generator | None = None,
-                **options) -> DataLoader:
-    """A ``DataLoader`` whose shuffle and worker seeds come from ``generator`` (a fixed one when None)."""
-    return DataLoader(dataset, batch_size=batch_size, generator=generator or torch.Generator(), **options)

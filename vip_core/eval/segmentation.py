@@ -5,7 +5,8 @@ with BatchNorm and ReLU and a 1x1 classifier; logits are upsampled bilinearly to
 light decoder, not the UperNet of the MAE/ViP papers' tables.) Training is end to end with AdamW and
 layer-wise lr decay on the encoder, cross-entropy ignoring ADE20K's label 0. Evaluation upsamples the
 logits to each label map's original size and reports mIoU over the classes that occur in the ground
-truth or the predictions, and pixel accuracy.
+truth or the predictions, and pixel accuracy. As one of several workers, each trains on its share of every
+global batch and scores its block of the validation split; the confusion matrices are summed.
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ import torch
 from torch import nn
 
 from vip_core.eval.datasets import (
-    IGNORE_LABEL, SegmentationDataset, ade20k_pairs, ade20k_root, segmentation_collate, uniform_from,
+    IGNORE_LABEL, SegmentationDataset, ade20k_pairs, ade20k_root, keyed_draws, segmentation_collate,
 )
-from vip_core.eval.fit import FitSettings, fit, layer_decay_adamw
+from vip_core.eval.fit import EpochCheckpoint, FitSettings, fit, layer_decay_adamw
+from vip_core.eval.loading import EpochBatches, Loading, rank_block
 from vip_core.eval.pyramid import SCALES, SimpleFeaturePyramid, resize_encoder
-from vip_core.eval.seeding import data_loader, generator, job_seed, seeded
+from vip_core.eval.seeding import job_seed, seeded
+from vip_core.train.distributed import is_distributed
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,22 +57,22 @@ class Segmenter(nn.Module):
         return nn.functional.interpolate(logits, size=images.shape[-2:], mode="bilinear", align_corners=False)
 
 
-def train_segmenter(model: Segmenter, dataset: SegmentationDataset, settings: SegmentationSettings,
-                    device: torch.device) -> Segmenter:
+def train_segmenter(model: Segmenter, dataset: SegmentationDataset, settings: SegmentationSettings, loading: Loading,
+                    checkpoint: EpochCheckpoint | None = None) -> Segmenter:
     """End-to-end training for ``settings.epochs`` epochs; returns the model in eval mode."""
-    loader = data_loader(dataset, batch_size=settings.batch_size, generator=generator(settings.seed, "shuffle"),
-                         shuffle=True, collate_fn=segmentation_collate, drop_last=len(dataset) > settings.batch_size)
+    sampler = EpochBatches(len(dataset), settings.batch_size, seed=settings.seed, name="segmentation order",
+                           drop_last=len(dataset) > settings.batch_size)
     optimizer = layer_decay_adamw(model, "backbone.encoder.", lr=settings.lr, weight_decay=settings.weight_decay,
                                   layer_decay=settings.layer_decay)
-    model.to(device)
+    model.to(loading.device)
 
     def loss_of(batch: tuple[torch.Tensor, list[torch.Tensor]]) -> torch.Tensor:
         images, labels = batch
-        logits = model(images.to(device))  # [N, K, S, S]
-        return nn.functional.cross_entropy(logits, torch.stack(labels).to(device), ignore_index=IGNORE_LABEL)
+        logits = model(loading.to_device(images))  # [N, K, S, S]
+        return nn.functional.cross_entropy(logits, loading.to_device(torch.stack(labels)), ignore_index=IGNORE_LABEL)
 
-    fit(model, optimizer, lambda: loader, loss_of, epochs=settings.epochs, steps_per_epoch=len(loader),
-        name="segmentation")
+    fit(model, optimizer, loading.epochs(dataset, sampler, segmentation_collate), loss_of, epochs=settings.epochs,
+        steps_per_epoch=len(sampler), name="segmentation", checkpoint=checkpoint)
     return model.eval()
 
 
@@ -95,27 +98,29 @@ def miou_from_confusion(confusion: torch.Tensor) -> dict[str, float]:
 
 @torch.no_grad()
 def evaluate_segmenter(model: Segmenter, dataset: SegmentationDataset, batch_size: int,
-                       device: torch.device) -> dict[str, float]:
-    """mIoU and pixel accuracy at each label map's original resolution."""
-    model.to(device).eval()
+                       loading: Loading) -> dict[str, float]:
+    """mIoU and pixel accuracy at each label map's original resolution (this worker's block, summed over workers)."""
+    model.to(loading.device).eval()
     num_classes = dataset.num_classes
     confusion = torch.zeros(num_classes, num_classes, dtype=torch.int64)
-    for images, labels in data_loader(dataset, batch_size=batch_size, collate_fn=segmentation_collate):
-        logits = model(images.to(device)).float().cpu()  # [N, K, S, S]
+    for images, labels in loading.in_order(rank_block(dataset), batch_size, segmentation_collate):
+        logits = model(loading.to_device(images)).float().cpu()  # [N, K, S, S]
         for one, truth in zip(logits, labels):
             full = nn.functional.interpolate(one[None], size=truth.shape, mode="bilinear", align_corners=False)
             confusion += confusion_matrix(full[0].argmax(0), truth, num_classes)  # truth: [H, W]
+    if is_distributed():
+        torch.distributed.all_reduce(confusion)
     return miou_from_confusion(confusion)
 
 
-def segmentation_eval(encoder: nn.Module, root: str | Path, settings: SegmentationSettings,
-                      device: torch.device) -> dict[str, float]:
+def segmentation_eval(encoder: nn.Module, root: str | Path, settings: SegmentationSettings, loading: Loading,
+                      checkpoint: EpochCheckpoint | None = None) -> dict[str, float]:
     """Trains a segmenter on ``root``'s training split and returns mIoU on its validation split."""
     root = ade20k_root(root)
-    flips = uniform_from(generator(settings.seed, "flips"))
-    train = SegmentationDataset(ade20k_pairs(root, "train"), settings.img_size, settings.num_classes, augment=flips)
+    train = SegmentationDataset(ade20k_pairs(root, "train"), settings.img_size, settings.num_classes,
+                                draws=keyed_draws(settings.seed, "flips"))
     val = SegmentationDataset(ade20k_pairs(root, "val"), settings.img_size, settings.num_classes)
     with seeded(job_seed(settings.seed, "head")):
         model = Segmenter(resize_encoder(encoder, settings.img_size), settings.num_classes, settings.channels)
-    train_segmenter(model, train, settings, device)
-    return evaluate_segmenter(model, val, settings.batch_size, device)
+    train_segmenter(model, train, settings, loading, checkpoint)
+    return evaluate_segmenter(model, val, settings.batch_size, loading)

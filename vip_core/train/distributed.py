@@ -9,6 +9,10 @@ The private step across ``W`` workers (docs/privacy.md, rule 3):
    ``W`` is, and every rank then takes the same optimizer step from the same parameters.
 
 :func:`parameters_fingerprint` and :func:`check_parameters_equal` verify the last point.
+
+Public data-parallel training (the evaluation jobs) averages instead: :func:`average_gradients` after every
+backward (each worker's gradient of its equal share of the global batch: their mean is the global batch's), and
+:func:`average_buffers` for running statistics (BatchNorm) before they are saved or used.
 """
 
 from __future__ import annotations
@@ -65,6 +69,33 @@ def all_reduce_in_place(tensor: torch.Tensor) -> None:
     """Replaces ``tensor`` by its SUM over ranks (nothing without a process group)."""
     if is_distributed():
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+
+
+def average_gradients(params: Iterable[nn.Parameter]) -> None:
+    """Replaces each ``.grad`` by its mean over ranks (nothing to do in one process)."""
+    params = list(params)
+    if not is_distributed():
+        return
+    all_reduce_gradients(params)
+    world = dist.get_world_size()
+    for param in params:
+        param.grad.div_(world)
+
+
+def average_buffers(model: nn.Module) -> None:
+    """Replaces each floating-point buffer (running means and variances) by its mean over ranks."""
+    if not is_distributed():
+        return
+    for buffer in model.buffers():
+        if buffer.is_floating_point():
+            dist.all_reduce(buffer.data, op=dist.ReduceOp.SUM)
+            buffer.data.div_(dist.get_world_size())
+
+
+def barrier() -> None:
+    """Waits for every rank (nothing to do in one process)."""
+    if is_distributed():
+        dist.barrier()
 
 
 def all_reduce_sum(value: float) -> float:

@@ -12,7 +12,7 @@ from PIL import Image
 from tasks.fixtures.eval_sets import make_ade20k_shapes, make_coco_shapes, make_digits_imagefolder
 from vip_core.eval.datasets import (
     IGNORE_LABEL, CocoDetectionDataset, DrawnRandAugment, SegmentationDataset, ade20k_pairs, ade20k_root,
-    classification_transform, open_classification, read_coco_json, read_label_map, uniform_from,
+    classification_transform, keyed_draws, open_classification, read_coco_json, read_label_map, uniform_from,
 )
 from vip_core.eval.detection import open_coco
 
@@ -89,7 +89,7 @@ def test_ade20k_layout_maps_label_zero_to_ignore_and_shifts_classes(tmp_path):
     raw = np.asarray(Image.open(pairs[0][1]))
     labels = read_label_map(pairs[0][1], num_classes=4)
     assert set(np.unique(raw)) <= {1, 2, 3, 4} and np.array_equal(labels, raw.astype(np.int64) - 1)
-    image, resized = SegmentationDataset(pairs, size=64, num_classes=4, augment=uniform_from(torch.Generator()))[0]
+    image, resized = SegmentationDataset(pairs, size=64, num_classes=4, draws=keyed_draws(0, "flips"))[0]
     assert image.shape == (3, 64, 64) and resized.shape == (64, 64)
     zero = tmp_path / "zero.png"
     Image.fromarray(np.zeros((4, 4), np.uint8)).save(zero)

@@ -60,6 +60,6 @@ def test_fit_takes_one_step_per_batch_and_learns():
         return nn.functional.mse_loss(model(inputs[batch]).squeeze(1), targets[batch])
 
     before = loss_of(torch.arange(64)).item()
-    last = fit(model, optimizer, lambda: torch.randperm(64).split(16), loss_of, epochs=20, steps_per_epoch=4, name="toy")
+    last = fit(model, optimizer, lambda epoch: torch.randperm(64).split(16), loss_of, epochs=20, steps_per_epoch=4, name="toy")
     assert last < before / 20 and model.training
     assert optimizer.param_groups[0]["lr"] < 1e-3, "80 batches took the schedule to its end"

@@ -10,7 +10,8 @@ import torch
 
 from tasks.fixtures.eval_sets import make_ade20k_shapes, make_coco_shapes, make_digits_imagefolder
 from vip_core.config import FinetunePrivacyConfig, tiny
-from vip_core.eval.jobs import prepare_job
+from vip_core.eval.fit import EpochCheckpoint
+from vip_core.eval.jobs import TRAINING_STATE, prepare_job
 from vip_core.models import build_encoder
 from vip_core.privacy.accounting import compute_epsilon
 
@@ -59,14 +60,15 @@ PAPER_REGULARISERS = {"finetune_drop_path": 0.1, "finetune_mixup": 0.8, "finetun
                       "finetune_label_smoothing": 0.1, "finetune_randaugment": 9, "finetune_epochs": 1}
 
 
-def test_public_finetuning_with_the_papers_regularisers_is_deterministic_for_its_seed(digits):
+def test_public_finetuning_with_the_papers_regularisers_is_deterministic_for_its_seed(digits, tmp_path):
     config = tiny()
     evaluation = config.evaluation.model_copy(update=PAPER_REGULARISERS)
-    first = prepare_job("finetune", digits, evaluation, config.model, CPU)(random_encoder())
-    second = prepare_job("finetune", digits, evaluation, config.model, CPU)(random_encoder())
-    assert first == second
-    other = prepare_job("finetune", digits, evaluation.model_copy(update={"seed": 1}), config.model, CPU)
-    assert other(random_encoder()) != first
+    for name, seed in (("first", 0), ("second", 0), ("other", 1)):
+        job = prepare_job("finetune", digits, evaluation.model_copy(update={"seed": seed}), config.model, CPU)
+        job(random_encoder(), workspace=tmp_path / name)
+    first, second, other = (_trained_weights(tmp_path / name) for name in ("first", "second", "other"))
+    assert _same_weights(first, second)
+    assert not _same_weights(first, other)
 
 
 def test_dp_finetuning_leaves_mixup_and_cutmix_off_and_says_so(digits, tmp_path, caplog):
@@ -115,3 +117,72 @@ def test_unknown_task_and_bad_pyramid_size_are_one_line_errors(tmp_path):
     evaluation = config.evaluation.model_copy(update={"segmentation_img_size": 36})
     with pytest.raises(ValueError, match="segmentation_img_size: 36 is not a multiple of 2 x patch_size"):
         prepare_job("ade20k", tmp_path, evaluation, config.model, CPU)
+
+
+def _trained_weights(workspace) -> dict:
+    """The model state a job kept after its last epoch."""
+    return torch.load(workspace / TRAINING_STATE, weights_only=True)["model"]
+
+
+def _same_weights(first: dict, second: dict) -> bool:
+    return first.keys() == second.keys() and all(torch.equal(first[key], second[key]) for key in first)
+
+
+def test_an_interrupted_fine_tuning_resumes_after_its_last_epoch_and_ends_as_an_uninterrupted_one(
+        digits, tmp_path, monkeypatch, caplog):
+    config = tiny()
+    evaluation = config.evaluation.model_copy(update={**PAPER_REGULARISERS, "finetune_epochs": 2})
+    job = prepare_job("finetune", digits, evaluation, config.model, CPU)
+    whole = job(random_encoder(), workspace=tmp_path / "whole")
+    save = EpochCheckpoint.save
+
+    def killed_after_the_first_epoch(self, state):
+        save(self, state)
+        if state["epoch"] == 1:
+            raise KeyboardInterrupt("the job was stopped")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(EpochCheckpoint, "save", killed_after_the_first_epoch)
+        with pytest.raises(KeyboardInterrupt):
+            job(random_encoder(), workspace=tmp_path / "cut")
+    with caplog.at_level("INFO"):
+        resumed = job(random_encoder(), workspace=tmp_path / "cut")
+    assert "fine-tune resumes after epoch 1" in caplog.text
+    assert resumed == whole
+    assert _same_weights(_trained_weights(tmp_path / "cut"), _trained_weights(tmp_path / "whole"))
+
+
+def test_decoding_processes_change_no_number(digits, tmp_path):
+    """Each image's crops, flips and RandAugment are keyed by the image and the epoch, not by the process that
+    decodes it."""
+    config = tiny()
+    evaluation = config.evaluation.model_copy(update=PAPER_REGULARISERS)
+    alone = prepare_job("finetune", digits, evaluation, config.model, CPU)(random_encoder(), workspace=tmp_path / "0")
+    parallel = evaluation.model_copy(update={"loader_workers": 2})
+    two = prepare_job("finetune", digits, parallel, config.model, CPU)(random_encoder(), workspace=tmp_path / "2")
+    assert two == alone
+    assert _same_weights(_trained_weights(tmp_path / "0"), _trained_weights(tmp_path / "2"))
+
+
+def test_features_extracted_under_bf16_autocast_on_the_cpu_stay_near_float32(digits):
+    from vip_core.eval.datasets import open_classification
+    from vip_core.eval.features import extract_features
+    from vip_core.eval.loading import Loading
+
+    train = open_classification(digits).split("train", 32)
+    options = dict(last_blocks=2, batch_size=64, loading=Loading(CPU))
+    full, _ = extract_features(random_encoder(), train, **options)
+    half, _ = extract_features(random_encoder(), train, precision="bf16", **options)
+    assert not torch.equal(full, half)  # the forwards ran in bfloat16
+    assert torch.nn.functional.cosine_similarity(full, half).min() > 0.99
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_jobs_run_on_cuda_in_bf16_from_pinned_memory(digits, tmp_path):
+    config = tiny()
+    evaluation = config.evaluation.model_copy(update={"device": "cuda", "precision": "bf16", "loader_workers": 2})
+    for task in ("linprobe", "finetune", "fewshot"):
+        job = prepare_job(task, digits, evaluation, config.model, torch.device("cuda"))
+        metrics = job(random_encoder(), workspace=tmp_path / task)
+        assert all(0.0 <= value <= 1.0 for value in metrics.values()), (task, metrics)

@@ -48,3 +48,15 @@ def test_cli_dp_finetune_setting_applies_to_finetune_only(workspace, capsys):
     code, _, err = _vip(capsys, "eval", "--task", "linprobe", "--dp-finetune", "imagenet", "--checkpoint",
                         str(checkpoint), "--data", str(root / "digits"), "--output", str(root / "out" / "dp"))
     assert code == 2 and "--dp-finetune applies to --task finetune" in err
+
+
+def test_cli_flags_set_where_the_job_runs_and_a_bad_device_is_one_line(workspace, capsys):
+    root, _, checkpoint = workspace
+    code, out, _ = _vip(capsys, "eval", "--task", "fewshot", "--checkpoint", str(checkpoint), "--data",
+                        str(root / "digits"), "--output", str(root / "cli-flags"), "--device", "cpu", "--no-baseline",
+                        "--loader-workers", "1")
+    printed = json.loads(out)
+    assert code == 0 and printed["device"] == "cpu" and printed["baseline"] is None
+    code, out, err = _vip(capsys, "eval", "--task", "fewshot", "--checkpoint", str(checkpoint), "--data",
+                          str(root / "digits"), "--output", str(root / "cli-gpu"), "--device", "tpu")
+    assert code == 2 and out == "" and err.startswith("vip eval: error: evaluation.device:") and err.count("\n") == 1

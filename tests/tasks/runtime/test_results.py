@@ -22,7 +22,7 @@ def test_the_results_table_puts_each_evaluation_beside_its_baseline():
     table = results.text_table(_summary())
     assert "ε = 7.910 spent of target 8" in table
     row = next(line for line in table.splitlines() if line.strip().startswith("linprobe"))
-    assert row.split() == ["linprobe", "top1", "0.6200", "0.4100", "+0.2100"]
+    assert row.split() == ["linprobe", "top1", "0.6200", "0.4100", "+0.2100", "-"]
     assert "vip-encoder/3" in table
     assert "  audit: empirical ε ≥ 0.420 from 1000 canaries" in table
     assert "show that the stages run, not what pre-training gives" in table
@@ -38,8 +38,16 @@ def test_the_audit_line_prints_the_claimed_epsilon_as_computed_once_labelled():
 
 def test_the_markdown_table_has_the_difference_column():
     table = results.markdown_table(_summary())
-    assert "| task | metric | ViP | random init | difference |" in table
-    assert "| linprobe | top1 | 0.6200 | 0.4100 | +0.2100 |" in table
+    assert "| evaluation | metric | ViP | random init | difference | paper ViP-Base |" in table
+    assert "| linprobe | top1 | 0.6200 | 0.4100 | +0.2100 | - |" in table
+
+
+def test_a_pair_the_paper_reports_shows_its_figure_and_one_without_a_baseline_shows_none():
+    evaluations = {"linprobe-imagenet": {"result": {"top1": 0.5}, "baseline": None},
+                   "linprobe-places365": {"result": {"top1": 0.3}, "baseline": None}}
+    table = results.evaluation_table(evaluations)
+    assert [line.split() for line in table[2:4]] == [["linprobe-imagenet", "top1", "0.5000", "-", "-", "0.5570"],
+                                                     ["linprobe-places365", "top1", "0.3000", "-", "-", "-"]]
 
 
 def test_summary_metrics_are_namespaced():

@@ -106,3 +106,15 @@ def test_the_same_config_gives_the_same_numbers_in_parallel_threads_as_one_at_a_
     for task, future in futures.items():
         again = future.result()
         assert (again["result"], again["baseline"]) == (evaluations[task]["result"], evaluations[task]["baseline"]), task
+
+
+def test_without_the_baseline_a_job_runs_once_and_leaves_no_work_behind(workspace):
+    from vip_core.config import with_overrides
+
+    root, config, checkpoint = workspace
+    output = root / "no-baseline" / "linprobe"
+    alone = with_overrides(config, {"evaluation.random_init_baseline": False})
+    metrics = run_evaluation(alone, "linprobe", str(checkpoint), str(root / "digits"), str(output))
+    assert metrics["baseline"] is None and metrics["baseline_encoder"] is None and set(metrics["seconds"]) == {"result"}
+    assert metrics["result"]["top1"] >= 2 * metrics["result"]["chance_top1"]
+    assert sorted(path.name for path in output.iterdir()) == [METRICS_FILE, "stage.json"]  # features removed
