@@ -106,11 +106,13 @@ def dp_finetune(model: EncoderClassifier, train: Dataset, settings: FinetuneSett
                        betas=(0.9, 0.999), weight_decay=settings.weight_decay, param_groups=groups,
                        earlier_runs=earlier_runs)
 
-    def batch(local: torch.Tensor, stream: RandomStream) -> torch.Tensor:
-        return local + start  # [k] indices of the set: the images are read one microbatch at a time by the loss
+    def batch(local: torch.Tensor, stream: RandomStream) -> tuple[torch.Tensor, torch.Tensor]:
+        # the sample's uint8 images and labels, as pre-training hands its images over: the engine's one-time layout
+        # check watches them where the loss makes them floating point
+        return _gather(train, local + start)  # images: [k, 3, S, S], labels: [k]
 
-    def loss(classifier: nn.Module, indices: torch.Tensor) -> torch.Tensor:
-        images, labels = _gather(train, indices)  # images: [b, 3, S, S], labels: [b]
+    def loss(classifier: nn.Module, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        images, labels = inputs  # images: [b, 3, S, S], labels: [b]
         with autocast(settings.precision, device):
             logits = classifier(normalise(images.to(device)))  # [b, classes]
         return nn.functional.cross_entropy(logits.float(), labels.to(device), reduction="none",

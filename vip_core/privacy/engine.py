@@ -268,7 +268,7 @@ class _Totals:
         """One microbatch's statistics: ``factors`` its clip factors (0 for padding and dropped samples), ``computed``
         its computed squared norms."""
         kept = factors > 0
-        clipped = kept & (factors < 1)
+        clipped = kept & (factors < numerics.FACTOR_ROUNDING)  # an unclipped sample's factor is 1, rounded down
         shortfall = torch.where(clipped, 1 - factors.double() * computed.sqrt() / max_grad_norm, 0.0)
         self.examples += real
         self.sums.append(torch.stack([torch.where(realness, losses.detach().double(), 0.0).sum(),
@@ -546,11 +546,14 @@ def _add_microbatch(engine: DPEngine, loss_fn: LossFn, inputs: Inputs, real: int
         norms = Norms(batch, device)
         with record_function("vip.norms"):
             sums = _group_norms(engine, tape.records.values(), zip(plan.plain, plain_grads), norms)
-            factors = numerics.clip_factors(norms.values, engine.max_grad_norm, realness)
+            factors, non_finite = numerics.clip_factors(norms.values, engine.max_grad_norm, realness)
+            # clearing non-finite entries is a pass over every operand: a CPU reads the flag for free, a GPU would
+            # wait for it, so it always clears
+            sanitize = device.type != "cpu" or bool(non_finite)
         with record_function("vip.clipped_sum"):
             total.noise.wait()
             for add in sums:
-                add(factors)
+                add(factors, sanitize)
     total.totals.add(real, losses, factors, realness, norms.values[0], engine.max_grad_norm)
 
 
@@ -561,6 +564,7 @@ def _group_norms(engine: DPEngine, records: Any, plain: Any, norms: Norms) -> li
     sums: list[per_sample.Sum] = []
     for record in records:
         calls = [(x, g) for x, g in zip(record.inputs, record.grads) if g is not None]
+        record.inputs, record.grads = [], []  # the groups hold them now, and let them go once stacked
         if not calls:
             continue  # not reached by the loss: its per-sample gradients are 0
         layer = record.layer

@@ -249,25 +249,43 @@ class _WatchConversions(TorchFunctionMode):
         self.sources = {id(t): (name, t) for name, t in _named_tensors(inputs)
                         if not (t.is_floating_point() or t.is_complex())}
         self.leaves: list[tuple[str, torch.Tensor]] = []
+        self.watched: set[str] = set()
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        sources = [self.sources[id(a)][0] for a in tree_leaves((args, kwargs))
-                   if id(a) in self.sources and self.sources[id(a)][1] is a]
-        if not sources or not isinstance(out, torch.Tensor) or out.dim() == 0 or out.shape[0] != self.batch:
+        operands = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        sources = [self.sources[id(a)][0] for a in operands if id(a) in self.sources and self.sources[id(a)][1] is a]
+        name = _function_name(func)
+        if (not sources or not isinstance(out, torch.Tensor) or out.dim() == 0 or out.shape[0] != self.batch
+                or name in _MOVES_DIM0):
             return out
         if not (out.is_floating_point() or out.is_complex()):
             self.sources[id(out)] = (sources[0], out)  # still integer: follow it
             return out
         leaf = torch.zeros_like(out).requires_grad_()
-        self.leaves.append((f"{sources[0]} (made floating point by {getattr(func, '__name__', func)})", leaf))
+        self.leaves.append((f"{sources[0]} (made floating point by {name})", leaf))
+        self.watched.add(sources[0])
+        if any(out is a for a in operands):  # in place or out=: the model goes on with that very tensor
+            with torch.enable_grad():
+                return out.add_(leaf)
         return out + leaf
 
     @property
     def unwatched(self) -> list[str]:
         """The integer inputs no floating-point result was watched for."""
-        watched = {name.split(" (")[0] for name, _ in self.leaves}
-        return sorted({name for name, _ in self.sources.values()} - watched)
+        return sorted({name for name, _ in self.sources.values()} - self.watched)
+
+
+# Operations whose result's dim 0 is not the operand's: an integer tensor that comes out of them with as many rows as
+# the batch does so by coincidence, not by holding the samples.
+_MOVES_DIM0 = frozenset({"T", "mT", "H", "mH", "t", "transpose", "permute", "movedim", "moveaxis", "swapaxes",
+                         "swapdims"})
+
+
+def _function_name(func: Any) -> str:
+    """A torch function's name; a property's (``Tensor.T``) where the function is its getter."""
+    name = getattr(func, "__name__", str(func))
+    return getattr(getattr(func, "__self__", None), "__name__", name) if name == "__get__" else name
 
 
 def _named_tensors(inputs: Inputs) -> list[tuple[str, torch.Tensor]]:

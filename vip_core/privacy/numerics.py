@@ -156,15 +156,11 @@ def _probe_vectors(length: int, small: tuple[float, float], sign: float, where: 
 # ------------------------------------------------------------------------------------------------ the bounds
 
 
-def norm_upper_bounds(computed: torch.Tensor, width: int | torch.Tensor) -> torch.Tensor:
+def norm_upper_bounds(computed: torch.Tensor, width: int) -> torch.Tensor:
     """float64 upper bounds on the norms of ``width``-vectors whose norms ``computed`` are float32 reductions: the
     sum of squares errs by at most ``γ_d`` relative plus ``d·η`` (squares flushed below ``η``), and the square root
-    adds one rounding, so ``‖x‖ ≤ (‖x‖^ + √(d·η)) / (1 − γ_{d+2})`` (``width`` a number, or a float64 tensor of
-    widths broadcast against ``computed``)."""
-    if isinstance(width, int):
-        return (computed.double() + math.sqrt(width * SMALLEST_NORMAL)) / (1 - gamma(width + 2, FLOAT32_ROUNDOFF))
-    terms = (width + 2) * FLOAT32_ROUNDOFF
-    return (computed.double() + (width * SMALLEST_NORMAL).sqrt()) * ((1 - terms) / (1 - 2 * terms))
+    adds one rounding, so ``‖x‖ ≤ (‖x‖^ + √(d·η)) / (1 − γ_{d+2})``."""
+    return (computed.double() + math.sqrt(width * SMALLEST_NORMAL)) / (1 - gamma(width + 2, FLOAT32_ROUNDOFF))
 
 
 def ghost_terms(act_gram: torch.Tensor, grad_gram: torch.Tensor, computed_norms: torch.Tensor, d_in: int,
@@ -181,7 +177,8 @@ def ghost_terms(act_gram: torch.Tensor, grad_gram: torch.Tensor, computed_norms:
     Returns:
         ``[4, N]`` float64: the computed ghost norm ``Σ K̂ᴬ⊙K̂ᴳ``; it plus its error bound; the rounding margin ``M²``
         of the row's scaled operand; and ``Z`` (the rows of a :class:`~vip_core.privacy.per_sample.Norms`). And
-        ``[N]`` bool, True where the activations are the scaled operand.
+        which operand each row scales: ``[N]`` bool, True where the activations are; or one bool for every row,
+        where both operands round as float32 (the narrower one).
 
     With ``n`` the token norms' upper bounds, a Gram entry errs by at most ``γ·‖xₜ‖‖xₛ‖ + E`` (``E = d·4η·(1 + Σ‖xₜ‖)``
     covers flushed underflow), so the ghost norm errs by at most ``γ_a·Q_G + γ_g·Q_A + 3γ_aγ_g·S² + 2(E_a s_g² +
@@ -194,8 +191,8 @@ def ghost_terms(act_gram: torch.Tensor, grad_gram: torch.Tensor, computed_norms:
     the smaller (a choice that depends on that sample alone).
     """
     tokens = act_gram.shape[1]
-    widths = _widths(d_in, d_out, act_gram.device)  # [2, 1] float64
-    norms = norm_upper_bounds(computed_norms, widths.unsqueeze(2))  # norms: [2, N, T] float64
+    offsets, scales = _norm_bound_constants(d_in, d_out, act_gram.device)  # [2, 1, 1] float64 each
+    norms = (computed_norms.double() + offsets) * scales  # norms: [2, N, T] float64 (norm_upper_bounds)
     ghost = torch.sum(act_gram * grad_gram, (1, 2), dtype=torch.float64)  # [N]
     quadratic = torch.stack([_quadratic(grad_gram, norms[0].float()), _quadratic(act_gram, norms[1].float())])
     quadratic = quadratic.double() * (1 + 2 * gamma(tokens + 1, FLOAT32_ROUNDOFF))  # (Q_G, Q_A): [2, N]
@@ -204,9 +201,14 @@ def ghost_terms(act_gram: torch.Tensor, grad_gram: torch.Tensor, computed_norms:
     features = torch.cat([quadratic, torch.stack([cross.square(), growth.square()])])  # [4, N]
     bound, margin_acts, margin_grads = _ghost_weights(d_in, d_out, tokens, numbers, *dtypes,
                                                       act_gram.device) @ features  # [3, N]
-    scales_acts = margin_acts <= margin_grads
     underflow = (1.01 * SMALLEST_NORMAL * (math.sqrt(d_in) + math.sqrt(d_out))) * growth
-    return torch.stack([ghost, ghost + bound, torch.minimum(margin_acts, margin_grads), underflow]), scales_acts
+    if max(numbers.scaled_roundoff(dtype) for dtype in dtypes) == FLOAT32_ROUNDOFF:
+        scales_acts = d_in <= d_out  # float32 rounding: a margin of 2^-24 either way, so the narrower one is scaled
+        margin = margin_acts if scales_acts else margin_grads
+    else:
+        scales_acts = margin_acts <= margin_grads
+        margin = torch.minimum(margin_acts, margin_grads)
+    return torch.stack([ghost, ghost + bound, margin, underflow]), scales_acts
 
 
 def _quadratic(gram: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
@@ -216,8 +218,11 @@ def _quadratic(gram: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def _widths(d_in: int, d_out: int, device: torch.device) -> torch.Tensor:
-    return torch.tensor([d_in, d_out], dtype=torch.float64, device=device).view(2, 1)
+def _norm_bound_constants(d_in: int, d_out: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`norm_upper_bounds`' offset ``√(d·η)`` and scale ``1/(1 − γ_{d+2})`` for ``d_in`` and ``d_out``."""
+    offsets = [math.sqrt(width * SMALLEST_NORMAL) for width in (d_in, d_out)]
+    scales = [1 / (1 - gamma(width + 2, FLOAT32_ROUNDOFF)) for width in (d_in, d_out)]
+    return tuple(torch.tensor(values, dtype=torch.float64, device=device).view(2, 1, 1) for values in (offsets, scales))
 
 
 @functools.cache
@@ -253,14 +258,15 @@ def squares_bound(squares: torch.Tensor, terms: int) -> torch.Tensor:
     return squares * (1 + 2.0**-22) + terms * SMALLEST_NORMAL
 
 
-def clip_factors(values: torch.Tensor, max_grad_norm: float, real: torch.Tensor) -> torch.Tensor:
+def clip_factors(values: torch.Tensor, max_grad_norm: float, real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``[B]`` float32 clip factors ``f = min(1, (C − Z) / (U + M))``, rounded down to float32, from ``values``
     (``[4, B]`` float64 rows: computed squared norm, ``U²``, ``M²``, ``Z``); 0 for a sample not ``real`` (padding)
-    or whose bounds are not finite, which then contributes nothing."""
+    or whose bounds are not finite, which then contributes nothing. And whether any real sample was not finite (a
+    0-dim bool tensor): only then must the sums clear non-finite entries."""
     _, squared, margin, absolute = values
     factors = ((max_grad_norm - absolute) / (squared.sqrt() + margin.sqrt())).clamp(0.0, 1.0)  # [B] float64
-    keep = real & torch.isfinite(squared + margin + absolute)
-    return torch.where(keep, factors * FACTOR_ROUNDING, 0.0).float()
+    finite = torch.isfinite(squared + margin + absolute)
+    return torch.where(real & finite, factors * FACTOR_ROUNDING, 0.0).float(), (real & ~finite).any()
 
 
 # ------------------------------------------------------------------------------------------------ IEEE float32

@@ -78,7 +78,8 @@ class Norms:
         self.values[1] += numerics.squares_bound(squares, width)
 
 
-Sum = Callable[[torch.Tensor], None]  # sum(factors [B] float32, 0 for a sample not kept): adds Σᵢ fᵢ·gᵢ
+# sum(factors [B] float32, 0 for a sample not kept; sanitize: whether a sample was not finite): adds Σᵢ fᵢ·gᵢ
+Sum = Callable[[torch.Tensor, bool], None]
 AddRows = Callable[[list[nn.Parameter], torch.Tensor], None]  # add_rows(params, values [L, n]) into their sums
 
 
@@ -89,8 +90,8 @@ def piece(params: list[nn.Parameter], values: torch.Tensor, norms: Norms, add_ro
     layers, batch, width = values.shape
     norms.add_squares(torch.sum(values * values, dim=2, dtype=torch.float64), layers * width)
 
-    def add(factors: torch.Tensor) -> None:
-        kept = values.nan_to_num(0.0, 0.0, 0.0)  # kept: [L, B, n]
+    def add(factors: torch.Tensor, sanitize: bool) -> None:
+        kept = _cleared(values, sanitize)  # kept: [L, B, n]
         add_rows(params, torch.bmm(factors.expand(layers, 1, batch), kept).squeeze(1))  # [L, n]
 
     return add
@@ -148,7 +149,8 @@ def matmul_group(layers: list[Layer], acts: list[torch.Tensor], grads: list[torc
                  norms: Norms, add_rows: AddRows) -> list[Sum]:
     """The norms of ``L`` layers of one shape (``acts [B, g, T, d_in]`` and ``grads [B, g, T, d_out]`` each, in the
     dtype they are multiplied in), and their sums: the bias pieces, then the weights' (ghost or materialised)."""
-    acts_all, grads_all = torch.stack(acts), torch.stack(grads)  # [L, B, g, T, d_in], [L, B, g, T, d_out]
+    owned = len(layers) > 1  # a stack is the group's own copy, scaled in place; a single layer's tensors are not
+    acts_all, grads_all = _stacked(acts), _stacked(grads)  # [L, B, g, T, d_in], [L, B, g, T, d_out]
     count, batch, groups, tokens, d_in = acts_all.shape
     d_out = grads_all.shape[4]
     sums = []
@@ -158,8 +160,8 @@ def matmul_group(layers: list[Layer], acts: list[torch.Tensor], grads: list[torc
     weights = [layer.weight for layer in layers if layer.weight is not None]
     if not weights:
         return sums
-    acts_rows = acts_all.view(-1, tokens, d_in)  # acts_rows: [L*B*g, T, d_in]
-    grads_rows = grads_all.view(-1, tokens, d_out)  # grads_rows: [L*B*g, T, d_out]
+    acts_rows = acts_all.reshape(-1, tokens, d_in)  # acts_rows: [L*B*g, T, d_in]
+    grads_rows = grads_all.reshape(-1, tokens, d_out)  # grads_rows: [L*B*g, T, d_out]
     if materialise_is_cheaper(tokens, d_in, d_out):
         per_sample = numbers.bmm(grads_rows.transpose(1, 2), acts_rows)  # [L*B*g, d_out, d_in]
         sums.append(piece(weights, per_sample.view(count, batch, -1), norms, add_rows))
@@ -172,11 +174,16 @@ def matmul_group(layers: list[Layer], acts: list[torch.Tensor], grads: list[torc
                                               (acts_all.dtype, grads_all.dtype))
     norms.add(terms, groups)
 
-    def add(factors: torch.Tensor) -> None:
-        rows = factors.view(1, batch, 1).expand(count, batch, groups).reshape(-1)  # each row's factor: [L*B*g]
+    def add(factors: torch.Tensor, sanitize: bool) -> None:
         shape = (count, batch, groups, 1, 1)
-        acts_sum = _scaled(acts_all, torch.where(scales_acts, rows, 1.0).view(shape))
-        grads_sum = _scaled(grads_all, torch.where(scales_acts, 1.0, rows).view(shape))
+        if isinstance(scales_acts, bool):  # every row scales the same operand; the other is cleared if need be
+            scaled = factors.view(1, batch, 1, 1, 1)
+            acts_sum = _scaled(acts_all, scaled, owned, sanitize) if scales_acts else _cleared(acts_all, sanitize)
+            grads_sum = _cleared(grads_all, sanitize) if scales_acts else _scaled(grads_all, scaled, owned, sanitize)
+        else:
+            rows = factors.view(1, batch, 1).expand(count, batch, groups).reshape(-1)  # each row's factor: [L*B*g]
+            acts_sum = _scaled(acts_all, torch.where(scales_acts, rows, 1.0).view(shape), owned, sanitize)
+            grads_sum = _scaled(grads_all, torch.where(scales_acts, 1.0, rows).view(shape), owned, sanitize)
         acts_sum = acts_sum.transpose(1, 2).reshape(count * groups, batch * tokens, d_in)  # [L*g, B*T, d_in]
         grads_sum = grads_sum.transpose(1, 2).reshape(count * groups, batch * tokens, d_out)  # [L*g, B*T, d_out]
         total = numbers.bmm(grads_sum.transpose(1, 2), acts_sum)  # total: [L*g, d_out, d_in]
@@ -186,11 +193,30 @@ def matmul_group(layers: list[Layer], acts: list[torch.Tensor], grads: list[torc
     return sums
 
 
-def _scaled(operand: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+def _stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``[L, ...]``: a group's tensors stacked (a copy, after which the list lets the layers' own go), or a single
+    layer's as a view."""
+    if len(tensors) == 1:
+        return tensors[0].unsqueeze(0)
+    stacked = torch.stack(tensors)
+    tensors.clear()
+    return stacked
+
+
+def _scaled(operand: torch.Tensor, factors: torch.Tensor, owned: bool, sanitize: bool) -> torch.Tensor:
     """``round(f·x)`` in ``operand``'s dtype (the product in float32, rounded once more where the operand is
-    bfloat16), a non-finite entry (only in a sample not kept, whose ``f`` is 0) made 0: a factor of 1 leaves an entry
-    exactly as it is."""
-    return torch.mul(operand, factors, out=torch.empty_like(operand)).nan_to_num_(0.0, 0.0, 0.0)
+    bfloat16), in place where the tensor is the group's own; with ``sanitize``, a non-finite entry (only in a sample
+    not kept, whose ``f`` is 0) made 0. A factor of 1 leaves an entry exactly as it is."""
+    scaled = operand.mul_(factors) if owned else torch.mul(operand, factors, out=torch.empty_like(operand))
+    return _cleared(scaled, sanitize, in_place=True)
+
+
+def _cleared(operand: torch.Tensor, sanitize: bool, in_place: bool = False) -> torch.Tensor:
+    """``operand`` with its non-finite entries made 0 where ``sanitize`` (some sample of the microbatch was not
+    finite: its factor is 0, and 0 times a non-finite entry is not 0)."""
+    if not sanitize:
+        return operand
+    return operand.nan_to_num_(0.0, 0.0, 0.0) if in_place else operand.nan_to_num(0.0, 0.0, 0.0)
 
 
 def _token_norms(rows: torch.Tensor) -> torch.Tensor:
@@ -217,7 +243,7 @@ def layer_norm_group(layers: list[Layer], inputs: list[torch.Tensor], grads: lis
                      add_rows: AddRows) -> list[Sum]:
     """LayerNorms of one shape: weight gradient ``Σₜ G ⊙ x̂`` and bias gradient ``Σₜ G`` per sample, with ``x̂`` the
     input normalised again (so the norm is taken of the very tensor that is summed)."""
-    inputs_all, grads_all = torch.stack(inputs), torch.stack(grads)  # [L, B, T, D] each
+    inputs_all, grads_all = _stacked(inputs), _stacked(grads)  # [L, B, T, D] each
     sums = []
     if layers[0].weight is not None:
         normalized = F.layer_norm(inputs_all, inputs_all.shape[-1:], eps=layers[0].module.eps)  # x̂: [L, B, T, D]
@@ -248,8 +274,8 @@ def embedding(layer: Layer, indices: list[torch.Tensor], grads: list[torch.Tenso
     bound = numerics.gram_bound(_token_norms(rows), rows.shape[2], numerics.FLOAT32_ROUNDOFF)
     norms.add(torch.stack([squared, squared + bound, torch.zeros_like(squared), torch.zeros_like(squared)]))
 
-    def add(factors: torch.Tensor) -> None:
-        scaled = (rows.double() * factors.double().view(-1, 1, 1)).nan_to_num_(0.0, 0.0, 0.0)  # scaled: [B, T, D]
+    def add(factors: torch.Tensor, sanitize: bool) -> None:
+        scaled = _cleared(rows.double() * factors.double().view(-1, 1, 1), sanitize, in_place=True)  # [B, T, D]
         total = torch.zeros(layer.weight.shape, dtype=torch.float64, device=rows.device)
         total.index_add_(0, index.reshape(-1), scaled.reshape(-1, rows.shape[2]))  # [num_embeddings, D]
         add_rows([layer.weight], total.view(1, -1).float())
