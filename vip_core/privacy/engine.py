@@ -33,6 +33,7 @@ batch statistics of the inputs), and a layer input modified in place after the l
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
@@ -41,7 +42,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from vip_core.privacy import numerics, per_sample
-from vip_core.privacy.buffer import GradientBuffer, StepNoise
+from vip_core.privacy.buffer import GradientBuffer, StepNoise, idle_cores, noise_pool
 from vip_core.privacy.layout import (
     Inputs, LayoutCheck, LossFn, UnsupportedLayerError, WriteGuard, per_sample_losses, stand_ins,
 )
@@ -552,8 +553,7 @@ def _add_microbatch(engine: DPEngine, loss_fn: LossFn, inputs: Inputs, real: int
             sanitize = device.type != "cpu" or bool(non_finite)
         with record_function("vip.clipped_sum"):
             total.noise.wait()
-            for add in sums:
-                add(factors, sanitize)
+            _spread([functools.partial(add, factors, sanitize) for add in sums], device)
     total.totals.add(real, losses, factors, realness, norms.values[0], engine.max_grad_norm)
 
 
@@ -584,17 +584,48 @@ def _group_norms(engine: DPEngine, records: Any, plain: Any, norms: Norms) -> li
         members = groups.setdefault(key, ([], [], []))
         for target, value in zip(members, (layer, first, second)):
             target.append(value)
-    for key, (layers, firsts, seconds) in groups.items():
-        if key[0] == "matmul":
-            numbers = engine.device_numerics(firsts[0].device)
-            sums += per_sample.matmul_group(layers, firsts, seconds, numbers, norms, add_rows)
-        else:
-            sums += per_sample.layer_norm_group(layers, firsts, seconds, norms, add_rows)
-    for (_, param), grads in plain:
-        if grads is not None:
-            values = grads.float().reshape(1, grads.shape[0], -1)  # values: [1, B, numel]
-            sums.append(per_sample.piece([param], values, norms, add_rows))
+    work = [functools.partial(_group, engine, key, *members, add_rows) for key, members in groups.items()]
+    work += [functools.partial(_plain, param, grads, add_rows) for (_, param), grads in plain if grads is not None]
+    for group_norms, group_sums in _spread(work, norms.values.device):
+        norms.values += group_norms.values
+        sums += group_sums
     return sums
+
+
+def _group(engine: DPEngine, key: tuple, layers: list[Layer], firsts: list[torch.Tensor],
+           seconds: list[torch.Tensor], add_rows: per_sample.AddRows) -> tuple[Norms, list[per_sample.Sum]]:
+    """One group's norms (an accumulator of its own) and sums."""
+    norms = Norms(firsts[0].shape[0], firsts[0].device)
+    if key[0] == "matmul":
+        numbers = engine.device_numerics(firsts[0].device)
+        return norms, per_sample.matmul_group(layers, firsts, seconds, numbers, norms, add_rows)
+    return norms, per_sample.layer_norm_group(layers, firsts, seconds, norms, add_rows)
+
+
+def _plain(param: nn.Parameter, grads: torch.Tensor, add_rows: per_sample.AddRows) -> tuple[Norms, list]:
+    """A plain parameter's norms and sum, from its stand-in's gradient ``[B, *shape[1:]]``."""
+    norms = Norms(grads.shape[0], grads.device)
+    values = grads.float().reshape(1, grads.shape[0], -1)  # values: [1, B, numel]
+    return norms, [per_sample.piece([param], values, norms, add_rows)]
+
+
+def _spread(work: list[Callable[[], Any]], device: torch.device) -> list[Any]:
+    """``[task() for task in work]``, every other task on a helper thread where the step runs on a CPU whose torch
+    threads leave as many cores idle as they use (the groups are independent: their sums write other rows of the
+    buffer); in order."""
+    helpers = idle_cores() if device.type == "cpu" else 0
+    if helpers < torch.get_num_threads() or len(work) < 2:
+        return [task() for task in work]
+    pool = noise_pool(helpers)
+    handed = {index: pool.submit(_in_ieee_float32, task) for index, task in enumerate(work) if index % 2}
+    done = {index: task() for index, task in enumerate(work) if not index % 2}
+    return [handed[index].result() if index in handed else done[index] for index in range(len(work))]
+
+
+def _in_ieee_float32(task: Callable[[], Any]) -> Any:
+    """``task()`` on a helper thread, under the same numerics as the step's own thread."""
+    with numerics.ieee_float32():
+        return task()
 
 
 def _joined(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:

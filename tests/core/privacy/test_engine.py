@@ -250,6 +250,24 @@ def test_padded_rows_are_exactly_zero_in_every_norm_and_factor(monkeypatch):
     assert bool((values[0, 1:] == 0).all()) and bool((values[0, :1] > 0).all())
 
 
+def test_groups_spread_over_idle_cores_give_bit_identical_gradients(monkeypatch):
+    """On a CPU whose torch threads leave a core idle, every other group's norms and sums run on a helper thread: the
+    same values, since the groups are independent and their norms are added in order."""
+    torch.manual_seed(0)
+    model, inputs = MixedNet(), torch.randn(5, 3, 8, 8)
+    inputs[3, 0, 0, 0] = float("inf")
+    previous = torch.get_num_threads()
+    runs = []
+    try:
+        torch.set_num_threads(1)
+        for idle in (0, 1):
+            monkeypatch.setattr(engine, "idle_cores", lambda idle=idle: idle)
+            runs.append(engine_grads(model, lambda m, x: m(x).sum(-1), inputs, 0.5, physical=2))
+    finally:
+        torch.set_num_threads(previous)
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
 def test_every_parameter_kind_is_scaled_by_the_one_flat_factor():
     torch.manual_seed(0)
     mae, inputs = tiny_mae(), mae_inputs(1)
