@@ -524,8 +524,15 @@ def step_work(step: Callable[[], None]) -> dict[str, float]:
                                       and (in_place or t.untyped_storage().data_ptr() not in read)) / 1e9
             return out
 
-    with Count():
-        step()
+    from vip_core.privacy.buffer import usable_cores
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(usable_cores())  # no idle core: the engine's work stays on this thread, where it is counted
+    try:
+        with Count():
+            step()
+    finally:
+        torch.set_num_threads(threads)
     return work
 
 

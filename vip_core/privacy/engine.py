@@ -57,6 +57,7 @@ __all__ = ["ClippedGradientSum", "DPEngine", "Inputs", "LossFn", "ModelPlan", "S
 EQUIVALENT_SUBCLASSES = frozenset({"timm.layers.norm.LayerNorm", "timm.layers.linear.Linear"})
 KINDS = {nn.Linear: "matmul", nn.Conv2d: "matmul", nn.LayerNorm: "layer_norm", nn.Embedding: "embedding"}
 _CASTS = (nn.Linear, nn.Conv2d)  # the layers autocast runs in its lower precision
+SPREAD_MIN_ELEMENTS = 1 << 18  # the least a group computes with to be worth a helper thread (about 1 MiB of float32)
 
 
 @dataclass(frozen=True)
@@ -553,15 +554,16 @@ def _add_microbatch(engine: DPEngine, loss_fn: LossFn, inputs: Inputs, real: int
             sanitize = device.type != "cpu" or bool(non_finite)
         with record_function("vip.clipped_sum"):
             total.noise.wait()
-            _spread([functools.partial(add, factors, sanitize) for add in sums], device)
+            _spread([functools.partial(add, factors, sanitize) for _, add in sums], [w for w, _ in sums], device)
     total.totals.add(real, losses, factors, realness, norms.values[0], engine.max_grad_norm)
 
 
-def _group_norms(engine: DPEngine, records: Any, plain: Any, norms: Norms) -> list[per_sample.Sum]:
-    """Every layer's and plain parameter's norms added to ``norms``, layers of one shape together; their sums."""
+def _group_norms(engine: DPEngine, records: Any, plain: Any, norms: Norms) -> list[tuple[int, per_sample.Sum]]:
+    """Every layer's and plain parameter's norms added to ``norms``, layers of one shape together; their sums, each
+    with the number of elements its group computes with."""
     add_rows = engine.buffer.add_rows
     groups: dict[tuple, tuple[list[Layer], list[torch.Tensor], list[torch.Tensor]]] = {}
-    sums: list[per_sample.Sum] = []
+    sums: list[tuple[int, per_sample.Sum]] = []
     for record in records:
         calls = [(x, g) for x, g in zip(record.inputs, record.grads) if g is not None]
         record.inputs, record.grads = [], []  # the groups hold them now, and let them go once stacked
@@ -569,7 +571,8 @@ def _group_norms(engine: DPEngine, records: Any, plain: Any, norms: Norms) -> li
             continue  # not reached by the loss: its per-sample gradients are 0
         layer = record.layer
         if layer.kind == "embedding":
-            sums += per_sample.embedding(layer, [x for x, _ in calls], [g for _, g in calls], norms, add_rows)
+            sums += [(0, add) for add in per_sample.embedding(layer, [x for x, _ in calls], [g for _, g in calls],
+                                                             norms, add_rows)]
             continue
         if layer.kind == "matmul":
             numbers = engine.device_numerics(calls[0][0].device)
@@ -585,10 +588,13 @@ def _group_norms(engine: DPEngine, records: Any, plain: Any, norms: Norms) -> li
         for target, value in zip(members, (layer, first, second)):
             target.append(value)
     work = [functools.partial(_group, engine, key, *members, add_rows) for key, members in groups.items()]
-    work += [functools.partial(_plain, param, grads, add_rows) for (_, param), grads in plain if grads is not None]
-    for group_norms, group_sums in _spread(work, norms.values.device):
+    weights = [sum(t.numel() for t in (*firsts, *seconds)) for _, firsts, seconds in groups.values()]
+    plain = [(param, grads) for (_, param), grads in plain if grads is not None]
+    work += [functools.partial(_plain, param, grads, add_rows) for param, grads in plain]
+    weights += [grads.numel() for _, grads in plain]
+    for (group_norms, group_sums), weight in zip(_spread(work, weights, norms.values.device), weights):
         norms.values += group_norms.values
-        sums += group_sums
+        sums += [(weight, add) for add in group_sums]
     return sums
 
 
@@ -609,16 +615,18 @@ def _plain(param: nn.Parameter, grads: torch.Tensor, add_rows: per_sample.AddRow
     return norms, [per_sample.piece([param], values, norms, add_rows)]
 
 
-def _spread(work: list[Callable[[], Any]], device: torch.device) -> list[Any]:
-    """``[task() for task in work]``, every other task on a helper thread where the step runs on a CPU whose torch
-    threads leave as many cores idle as they use (the groups are independent: their sums write other rows of the
-    buffer); in order."""
+def _spread(work: list[Callable[[], Any]], weights: list[int], device: torch.device) -> list[Any]:
+    """``[task() for task in work]``, in order; where the step runs on a CPU whose torch threads leave as many cores
+    idle as they use, every other task of at least ``SPREAD_MIN_ELEMENTS`` (its weight) on a helper thread (the
+    groups are independent: their sums write other rows of the buffer; a small one costs more to hand over than to
+    compute)."""
     helpers = idle_cores() if device.type == "cpu" else 0
-    if helpers < torch.get_num_threads() or len(work) < 2:
+    heavy = [index for index, weight in enumerate(weights) if weight >= SPREAD_MIN_ELEMENTS]
+    if helpers < torch.get_num_threads() or len(heavy) < 2:
         return [task() for task in work]
     pool = noise_pool(helpers)
-    handed = {index: pool.submit(_in_ieee_float32, task) for index, task in enumerate(work) if index % 2}
-    done = {index: task() for index, task in enumerate(work) if not index % 2}
+    handed = {index: pool.submit(_in_ieee_float32, work[index]) for index in heavy[1::2]}
+    done = {index: task() for index, task in enumerate(work) if index not in handed}
     return [handed[index].result() if index in handed else done[index] for index in range(len(work))]
 
 
