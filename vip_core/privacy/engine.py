@@ -44,7 +44,7 @@ from torch.profiler import record_function
 from vip_core.privacy import numerics, per_sample
 from vip_core.privacy.buffer import GradientBuffer, StepNoise, idle_cores, noise_pool
 from vip_core.privacy.layout import (
-    Inputs, LayoutCheck, LossFn, UnsupportedLayerError, WriteGuard, per_sample_losses, stand_ins,
+    Inputs, LayoutCheck, LossFn, UnsupportedLayerError, WriteGuard, per_sample_losses, stand_ins, tree_state,
 )
 from vip_core.privacy.numerics import Numerics
 from vip_core.privacy.per_sample import Layer, Norms, Record
@@ -139,7 +139,8 @@ class DPEngine:
     def _plan(self) -> None:
         """Plans the model as it is now: its rules, gradient buffer, layout check and write guard."""
         model = self.model
-        self.structure, self.modules = _structure(model)  # the modules are held: their ids cannot be reused
+        self.modules = list(model.modules())  # held: their ids cannot be reused
+        self.structure = tree_state(self.modules)
         self.plan = plan_model(model)
         self.buffer = GradientBuffer(self.plan.params)
         self.layout = LayoutCheck([(layer.name, layer.module) for layer in self.plan.layers], self.plan.plain)
@@ -150,8 +151,7 @@ class DPEngine:
     def clipped_sum(self, *, noise_multiplier: float = 0.0, noise: RandomStream | None = None) -> ClippedGradientSum:
         """A new logical batch's sum, its noise drawn into the buffer (a sum not privatized yet is given up). A model
         whose parameters were frozen or unfrozen since it was planned is planned again."""
-        structure, _ = _structure(self.model)
-        if structure != self.structure:
+        if tree_state(self.modules) != self.structure:
             self._plan()  # a module or parameter replaced, frozen, unfrozen, or moved since
         for name, module in self.plan.batch_norms:
             _reject_batch_norm(name, module)  # a model may be put in training mode after it was planned
@@ -172,14 +172,6 @@ class DPEngine:
         if key not in self.masks:
             self.masks[key] = torch.arange(batch, device=device) < real
         return self.masks[key]
-
-
-def _structure(model: nn.Module) -> tuple[tuple, list[nn.Module]]:
-    """What the plan depends on: the model's modules and parameters (by identity), each parameter's requires_grad,
-    dtype and device; and the modules."""
-    modules = list(model.modules())
-    params = tuple((id(p), p.requires_grad, p.dtype, p.device) for p in model.parameters())
-    return (tuple(map(id, modules)), params), modules
 
 
 class ClippedGradientSum:

@@ -192,7 +192,8 @@ class WriteGuard:
         self.model = model
         self.modules = list(model.named_modules())
         self.params = list(model.named_parameters())
-        self.structure = _structure_of(model)
+        self.tree = [module for _, module in self.modules]
+        self.structure = tree_state(self.tree)
 
     def snapshot(self) -> tuple[list, list[int]]:
         buffers = [tuple((key, tensor, _version(tensor)) for key, tensor in module._buffers.items())
@@ -200,12 +201,14 @@ class WriteGuard:
         return buffers, [param._version for _, param in self.params]
 
     def check_structure(self) -> None:
-        """Refuses a module or parameter added to or replaced in the model by its forwards or backward."""
-        if _structure_of(self.model) != self.structure:
+        """Refuses a module or parameter added to, replaced in, frozen, unfrozen or moved in the model since it was
+        planned, by its forwards or backward or between the microbatches of one sum."""
+        if tree_state(self.tree) != self.structure:
             raise UnsupportedLayerError(
-                "a module or parameter was added to or replaced in the model while training on private data (a "
-                "lazily created layer, a weight re-made from an input): it could hold what it was made from; create "
-                "it before training")
+                "a module or parameter was added to, replaced in, frozen, unfrozen or moved in the model while "
+                "training on private data (a lazily created layer, a weight re-made from an input): it could hold "
+                "what it was made from, and the plan no longer matches the model; make such changes before training "
+                "or between steps")
 
     def check(self, before: tuple[list, list[int]]) -> None:
         """Refuses, by name, a buffer or a parameter that changed since ``before`` (a :meth:`snapshot`)."""
@@ -227,9 +230,15 @@ class WriteGuard:
                     "the weights without clipping or noise")
 
 
-def _structure_of(model: nn.Module) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The identities of the model's modules and parameters (the guard holds them, so an id is not reused)."""
-    return tuple(map(id, model.modules())), tuple(map(id, model.parameters()))
+def tree_state(modules: list[nn.Module]) -> tuple:
+    """Each module's children and parameters (by identity, with requires_grad, dtype and device), read from the
+    modules' own tables. ``modules`` is the whole tree as it was, held by the caller (so no id is reused): a module or
+    parameter added, replaced, frozen, unfrozen or moved anywhere changes the table of one of them. One pass over the
+    tables costs a fraction of ``model.modules()`` and ``model.parameters()``, which recurse through generators."""
+    return tuple((tuple(map(id, module._modules.values())),
+                  tuple(None if p is None else (id(p), p.requires_grad, p.dtype, p.device)
+                        for p in module._parameters.values()))
+                 for module in modules)
 
 
 def _version(tensor: torch.Tensor | None) -> int | None:
