@@ -130,10 +130,10 @@ def config_page() -> str:
     sections: dict[type, list[str]] = {}
     _collect_sections(VipConfig, "", sections)
     lines = [GENERATED, "", CONFIG_INTRO, "| section | path |", "|---|---|"]
-    lines += [f"| [`{model.__name__}`](#{model.__name__.lower()}) | {', '.join(f'`{p}`' for p in paths)} |"
+    lines += [f"| [`{model.__name__}`](#{model.__name__.lower()}) | {_paths(paths)} |"
               for model, paths in sections.items()]
     for model, paths in sections.items():
-        lines += ["", f"## {model.__name__}", "", f"Path: {', '.join(f'`{p}`' for p in paths)}.", "",
+        lines += ["", f"## {model.__name__}", "", f"Path: {_paths(paths)}.", "",
                   _docstring(model), "", "| field | type | default | constraints | description |",
                   "|---|---|---|---|---|"]
         lines += [_field_row(model, name, field) for name, field in model.model_fields.items()]
@@ -148,10 +148,14 @@ def config_page() -> str:
 
 def _collect_sections(model: type, path: str, sections: dict[type, list[str]]) -> None:
     """Every model class reachable from ``model``, with the dotted paths it is used at, in field order."""
-    sections.setdefault(model, []).append(path or "(top level)")
+    sections.setdefault(model, []).append(path)
     for name, field in model.model_fields.items():
         for inner in _models_in(field.annotation):
             _collect_sections(inner, f"{path}.{name}" if path else name, sections)
+
+
+def _paths(paths: list[str]) -> str:
+    return ", ".join(f"`{path}`" if path else "the top level" for path in paths)
 
 
 def _models_in(annotation: Any) -> list[type]:
@@ -184,7 +188,7 @@ def _constraint(item: Any) -> str:
     for attribute, symbol in symbols.items():
         value = getattr(item, attribute, None)
         if value is not None:
-            return f"{symbol} `{value}`"
+            return f"matches `{value}`" if attribute == "pattern" else f"`{symbol} {value}`"
     if getattr(item, "allow_inf_nan", None) is False:
         return "finite"
     return ""
