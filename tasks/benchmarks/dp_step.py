@@ -54,11 +54,11 @@ engine draws the noise on the device (two Philox generators per tensor), so ``no
 ``--width W`` sets every encoder and decoder width to ``W`` (one attention head), the preset's depths, patches and
 tokens kept: the same layers and operations at so little compute that a step's time is its host's (Python and
 kernel dispatch). ``--preset vip-base --img-size 32 --batch 2 --width 48`` on a CPU measures what paces a GPU's
-ViP-Base DP step at batches up to 256 (about 11,000 operations a step on the first H200 leases).
+ViP-Base DP step at small batches, where the host's dispatch, not the device, sets the pace.
 
 ``nonprivate_cpu_s`` and ``dp_cpu_s``: the median CPU seconds this process spent in a step (every thread). On
 a GPU a step whose CPU seconds come near its wall seconds is paced by the host (Python and kernel launches),
-not by the device: the H200's ViP-Base DP step at batch 128 took 0.184 s of each.
+not by the device.
 
 ``target_ratio``, ``target_peak_mem_ratio`` and ``meets_target``: the DP step's targets on the paper's shapes, time
 ×1.1 (``vip-nano``) or ×1.2 (``vip-base``) and memory ×1.05 against the non-private step, and whether both were met

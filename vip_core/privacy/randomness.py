@@ -11,12 +11,12 @@ run asks (which examples, how much noise, which mask) from one of two sources:
   (:func:`private_entropy`), drawn afresh by every run: an attacker who knows the configuration still has
   2^128 keys to search. Gaussian noise is drawn as a :class:`GaussianDraw`: each draw takes a fresh 128-bit
   key from the stream, and each block of ``NOISE_BLOCK`` coordinates of each tensor comes from its own AES-128
-  keystream (counter mode, OpenSSL through the ``cryptography`` package, about 1 ns per 64-bit word here with
+  keystream (counter mode, OpenSSL through the ``cryptography`` package, about 1 ns per 64-bit word with
   AES-NI, three times PCG64DXSM's speed) whose key is AES-128 under the draw key of ``(tensor index, block)``
   (a pseudorandom function: one block's key tells nothing of another's or of the draw key), so the blocks can
   be drawn on several threads, in any order, and still give the same values. The CPU sampler is Box-Muller in
   float32 on a 63-bit word (radius) and a 24-bit one (angle) per pair, vectorised: about 2.3 ns per coordinate
-  on one core here, a quarter of numpy's float32 ziggurat's time, with a longer tail (9.4 standard deviations
+  on one CPU core, a quarter of numpy's float32 ziggurat's time, with a longer tail (9.4 standard deviations
   against 8.2). On a CUDA device each tensor's noise is drawn on the device by two Philox generators keyed by
   ``(draw key, tensor index)`` (a 64-bit seed and a 62-bit offset each) and averaged (``(z₁ + z₂)/√2``).
   PCG64DXSM, which draws the keys, the Poisson samples and the per-sample randomness, is fast but not a

@@ -17,7 +17,7 @@ process's GIL with the step's Python work; PIL releases it while it decodes). A 
 :class:`~vip_core.train.data.ShardPartition`'s bound ``pixels``: the shard paths or URLs and where each image
 lies) and opens the shards itself; the decoded chunk comes back pickled (a copy of its uint8 bytes: 0.4 MB
 for 32 images of 64 px). On a quiet 2-core machine processes kept tiny's step fed where threads did not, under
-load threads did better (docs/scaling.md).
+load threads did better (the measurements are in CHANGELOG.md).
 
 The decoding processes are stopped by :meth:`InputPipeline.close`, or when the pipeline is garbage collected,
 or when its process exits, before multiprocessing's exit joins its children (a pipeline left open in a
