@@ -114,8 +114,8 @@ class PrivacyConfig(_Frozen):
     secure_mode: bool = Field(False, description="draw noise, samples and masks from the OS CSPRNG (slower)")
     strict_float32: bool = Field(False, description=STRICT_FLOAT32_HELP)
     log_private_statistics: bool = Field(
-        True, description="log the per-step loss and images/s of the private stage (computed from private data, "
-                          "not privatized) to MLflow and result.json; off keeps them out of a shared server")
+        False, description="log the per-step loss and images/s of the private stage (computed from private data, "
+                           "not privatized) to MLflow and result.json; keep off on a shared server")
 
     @field_validator("noise_multiplier")
     @classmethod
