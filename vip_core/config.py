@@ -20,6 +20,9 @@ DISTRIBUTORS: tuple[str, ...] = get_args(Distributor)
 # The evaluation tasks, defined here once: the config, the jobs, the flows and ``vip eval`` read them.
 EvalTask = Literal["linprobe", "finetune", "fewshot", "coco", "ade20k"]
 EVAL_TASKS: tuple[str, ...] = get_args(EvalTask)
+# The layouts ``vip export`` writes (vip_core/models/export.py).
+ExportFormat = Literal["timm", "mae", "safetensors"]
+EXPORT_FORMATS: tuple[str, ...] = get_args(ExportFormat)
 # The offline data set of each task below an evaluation root (an ImageFolder, a COCO and an ADE20K set): the tiny
 # preset's suite, and the data set a pair's name leaves out (``EvalPair.name``).
 EVAL_DATA_FOLDERS: dict[str, str] = {
@@ -114,8 +117,8 @@ class PrivacyConfig(_Frozen):
     secure_mode: bool = Field(False, description="draw noise, samples and masks from the OS CSPRNG (slower)")
     strict_float32: bool = Field(False, description=STRICT_FLOAT32_HELP)
     log_private_statistics: bool = Field(
-        True, description="log the per-step loss and images/s of the private stage (computed from private data, "
-                          "not privatized) to MLflow and result.json; off keeps them out of a shared server")
+        False, description="log the per-step loss and images/s of the private stage (computed from private data, "
+                           "not privatized) to MLflow and result.json; keep off on a shared server")
 
     @field_validator("noise_multiplier")
     @classmethod

@@ -44,11 +44,15 @@ class TrainingProgress:
         )
         for run in running:
             stage = run.data.tags.get(tracking.STAGE_TAG, "")
-            if "train/loss" not in run.data.metrics:
+            # train/lr is logged at every step of every stage; the private stage's loss only when
+            # privacy.log_private_statistics is on.
+            if "train/lr" not in run.data.metrics:
                 continue
-            step = client.get_metric_history(run.info.run_id, "train/loss")[-1].step
+            step = client.get_metric_history(run.info.run_id, "train/lr")[-1].step
             total = run.data.params.get("private.steps" if stage == "pretrain-dp" else "synthetic.steps", "?")
-            line = f"[progress] {stage}: step {step}/{total}, train/loss {run.data.metrics['train/loss']:.4f}"
+            line = f"[progress] {stage}: step {step}/{total}"
+            if "train/loss" in run.data.metrics:
+                line += f", train/loss {run.data.metrics['train/loss']:.4f}"
             if "privacy/epsilon" in run.data.metrics:
                 line += f", privacy/epsilon {run.data.metrics['privacy/epsilon']:.3f}"
             if self._printed.get(run.info.run_id) != line:

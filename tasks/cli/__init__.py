@@ -26,6 +26,7 @@ COMMAND_MODULES = (
     "tasks.cli.pretrain",
     "tasks.cli.audit",
     "tasks.cli.shards",
+    "tasks.cli.export",
 )
 
 

@@ -14,8 +14,8 @@ ledger book (and charges it), starts or joins Ray and runs a ``TorchTrainer`` wh
   parameters. When a worker dies, Ray Train replaces the worker group and training resumes from the last
   checkpoint with the ledger (ε) carried on; a resume whose plan differs from the checkpoint's is refused;
 * training stops before a step would take the data set's ε past the target;
-* rank 0 logs ``privacy/epsilon`` and ``train/lr`` every step to the stage's MLflow run, and (unless
-  ``privacy.log_private_statistics`` is off for the private stage) ``train/loss`` and ``train/images_per_s``;
+* rank 0 logs ``privacy/epsilon`` and ``train/lr`` every step to the stage's MLflow run, and ``train/loss`` and
+  ``train/images_per_s`` (for the private stage only with ``privacy.log_private_statistics`` on, which logs a warning);
 * at the end the driver settles the run's charge with the steps taken and publishes ``output/checkpoint``:
   exactly the weights, the config, the step and the ledger (``PUBLISHED_ENTRIES``).
 
@@ -160,6 +160,12 @@ def finished_result(output: Path, config: VipConfig, stage: str, resume: bool) -
     return None
 
 
+PRIVATE_STATISTICS_WARNING = (
+    "privacy.log_private_statistics is on: the private stage's per-step loss and images/s (MLflow train/loss, "
+    "train/images_per_s) and result.json's loss, images_per_s, peak_rss_mb and damaged_images_skipped are computed "
+    "from the private data and leave the run without noise; the (epsilon, delta) guarantee does not cover them")
+
+
 def stage_plan(config: VipConfig, stage: str, data: "ShardSet", output: Path, continuing: bool) -> dict[str, Any]:
     """The stage's plan for the measured data, kept in ``output/plan.json``.
 
@@ -183,6 +189,8 @@ def stage_plan(config: VipConfig, stage: str, data: "ShardSet", output: Path, co
         log.info("private stage planned: N %d, q %.3g, sigma %.4g, delta %.3g, %d steps: %s", dataset_size,
                  privacy.sample_rate, privacy.noise_multiplier, privacy.delta, privacy.steps,
                  privacy.describe_epsilon())
+        if config.privacy.log_private_statistics:
+            log.warning(PRIVATE_STATISTICS_WARNING)
     else:
         training = stage_training(config, stage)
         if training.batch_size > dataset_size:
@@ -322,6 +330,8 @@ def _fit(loop_config: dict, training: TrainingConfig, output: Path, stage: str, 
 
 def _summarise(result: Any, loop_config: dict, output: Path, stage: str, run_id: str) -> dict[str, Any]:
     """Settles the run's charge, publishes the last checkpoint as ``output/checkpoint``, writes ``result.json``."""
+    from vip_core.privacy.ledger import ADJACENCY
+
     checkpoint = _publish_checkpoint(Path(result.checkpoint.path), output / "checkpoint")
     metrics = dict(result.metrics)
     plan = loop_config["plan"]
@@ -337,6 +347,7 @@ def _summarise(result: Any, loop_config: dict, output: Path, stage: str, run_id:
         "epsilon": metrics.get("epsilon") if plan["private"] else None,
         **_tight_epsilon(plan, steps),
         "delta": privacy.get("delta"),
+        "adjacency": ADJACENCY if plan["private"] else None,
         "noise_multiplier": privacy.get("noise_multiplier"),
         "sample_rate": plan["sample_rate"],
         "dataset_size": plan["dataset_size"],

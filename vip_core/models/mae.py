@@ -180,8 +180,9 @@ class MaskedAutoencoderViT(nn.Module):
     def random_masking(
         self, x: torch.Tensor, mask_ratio: float, noise: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per-sample random masking: each sample keeps the ``round(L * (1 - mask_ratio))`` patches
-        with the lowest noise.
+        """Per-sample random masking: each sample keeps the ``int(L * (1 - mask_ratio))`` patches with the
+        lowest noise, as many as facebookresearch/mae keeps, so a ratio that leaves a fraction of a patch
+        keeps the same count in both.
 
         Args:
             x: ``[N, L, D]`` patch tokens.
@@ -197,7 +198,7 @@ class MaskedAutoencoderViT(nn.Module):
             raise ValueError(f"mask_ratio must lie in [0, 1), got {mask_ratio}")
         if noise.shape != (n, num_patches):
             raise ValueError(f"noise must have shape {(n, num_patches)}, got {tuple(noise.shape)}")
-        len_keep = round(num_patches * (1.0 - mask_ratio))
+        len_keep = int(num_patches * (1 - mask_ratio))
         ids_shuffle = torch.argsort(noise, dim=1)  # ids_shuffle: [N, L], ascending: the first are kept
         ids_restore = torch.argsort(ids_shuffle, dim=1)  # ids_restore: [N, L]
         ids_keep = ids_shuffle[:, :len_keep]  # ids_keep: [N, len_keep]

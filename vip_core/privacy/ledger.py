@@ -28,6 +28,12 @@ from typing import Any, Iterator, Sequence
 from vip_core.atomic import write_json
 from vip_core.privacy.accounting import DEFAULT_ACCOUNTANT, check_arguments, composed_epsilon
 
+# The neighbouring data sets the (ε, δ) guarantee is stated for: one sample replaced by a null sample that
+# contributes nothing to the clipped sum. Both sets have the same N, so publishing N, q = B/N and δ = 1/(2N) does
+# not tell them apart; each pair of outputs is an add-or-remove pair, so the same Poisson-subsampled Gaussian
+# accounting bounds it.
+ADJACENCY = "zero-out"
+
 @dataclasses.dataclass(frozen=True)
 class Charge:
     """One run's use of a private data set.
@@ -124,11 +130,12 @@ class PrivacyLedger:
         self.steps += 1
 
     def summary(self) -> dict[str, Any]:
-        """What a published checkpoint carries: ε, δ, σ, q, steps, accountant, and the other runs composed in."""
+        """What a published checkpoint carries: ε, δ, σ, q, steps, accountant, the adjacency ε is stated for, and
+        the other runs composed in."""
         return {
             "epsilon": self.epsilon, "delta": self.delta, "noise_multiplier": self.noise_multiplier,
             "sample_rate": self.sample_rate, "steps": self.steps, "accountant": self.accountant,
-            "composed_with": [dataclasses.asdict(charge) for charge in self.prior],
+            "adjacency": ADJACENCY, "composed_with": [dataclasses.asdict(charge) for charge in self.prior],
         }
 
     def state_dict(self) -> dict[str, Any]:

@@ -55,7 +55,7 @@ def test_forward_shapes(name):
     assert mask.shape == (n, num_patches)
     assert torch.isfinite(loss).all()
     latent, _, _ = model.forward_encoder(images(n, config), config.mask_ratio)
-    assert latent.shape == (n, 1 + round(num_patches * (1 - config.mask_ratio)), config.embed_dim)
+    assert latent.shape == (n, 1 + int(num_patches * (1 - config.mask_ratio)), config.embed_dim)
 
 
 def test_patchify_unpatchify_round_trip_and_layout():
@@ -73,15 +73,30 @@ def test_patchify_rejects_non_square_images():
 
 
 @pytest.mark.parametrize("ratio", [0.75, 0.5, 0.9, 0.3, 0.0])
-def test_masking_keeps_round_l_times_one_minus_ratio(mae, ratio):
+def test_masking_keeps_int_l_times_one_minus_ratio(mae, ratio):
     x = torch.randn(5, mae.num_patches, 8)
     kept, mask, ids_restore = mae.random_masking(x, ratio, torch.rand(5, mae.num_patches))
-    len_keep = round(mae.num_patches * (1 - ratio))
+    len_keep = int(mae.num_patches * (1 - ratio))
     assert kept.shape == (5, len_keep, 8)
     assert mask.sum(dim=1).tolist() == [mae.num_patches - len_keep] * 5
     # the kept tokens are exactly the unmasked patches
     for i in range(5):
         assert torch.equal(torch.sort(kept[i], dim=0).values, torch.sort(x[i][mask[i] == 0], dim=0).values)
+
+
+# (L, mask ratio) where L·(1 − r) is not whole and rounding would keep one patch more than truncating.
+FRACTIONAL_KEEPS = [(196, 0.7), (64, 0.3), (49, 0.6), (10, 0.25)]
+
+
+@pytest.mark.parametrize(("num_patches", "ratio"), FRACTIONAL_KEEPS)
+def test_masking_keeps_as_many_patches_as_the_official_mae(mae, num_patches, ratio):
+    official_len_keep = int(num_patches * (1 - ratio))  # facebookresearch/mae models_mae.py random_masking
+    assert round(num_patches * (1 - ratio)) == official_len_keep + 1
+    noise = torch.rand(3, num_patches)
+    kept, mask, _ = mae.random_masking(torch.randn(3, num_patches, 4), ratio, noise)
+    assert kept.shape == (3, official_len_keep, 4)
+    kept_ranks = noise.argsort(dim=1).argsort(dim=1) < official_len_keep  # [3, L]: the lowest noise is kept
+    assert torch.equal(mask, (~kept_ranks).float())
 
 
 def test_masking_keeps_the_lowest_noise(mae):

@@ -742,7 +742,8 @@ def test_rule_10_the_published_checkpoint_is_the_allow_list_and_nothing_else():
     published = release_payload(training_checkpoint)
     assert tuple(published) == PUBLISHED_ENTRIES == ("model", "config", "step", "ledger")
     assert set(published["ledger"]) == {"epsilon", "delta", "noise_multiplier", "sample_rate", "steps", "accountant",
-                                        "composed_with"}
+                                        "adjacency", "composed_with"}
+    assert published["ledger"]["adjacency"] == "zero-out"
     assert published["ledger"]["steps"] == 2 and published["ledger"]["epsilon"] == pytest.approx(step.epsilon)
 
 

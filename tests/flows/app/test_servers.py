@@ -66,7 +66,7 @@ def test_the_mlflow_ui_shows_epsilon_of_the_private_stage(ui_servers, private_fl
     assert [metric.step for metric in history] == [1, 2, 3]
 
     browser.get(tracking.run_ui_url(child.info.run_id, ui_servers["mlflow"].url))
-    wait_for_text("pretrain-dp", "privacy/epsilon", "train/loss", parent.info.run_name)
+    wait_for_text("pretrain-dp", "privacy/epsilon", "train/lr", parent.info.run_name)
     metric = browser.find_element("xpath", "//*[normalize-space(text())='privacy/epsilon']")
     browser.execute_script("arguments[0].scrollIntoView({block: 'center'});", metric)
     time.sleep(1.0)

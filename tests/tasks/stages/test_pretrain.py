@@ -124,6 +124,7 @@ def test_private_stage_spends_the_planned_epsilon_and_logs_it_every_step(private
     ledger = load_checkpoint(private["checkpoint"])["ledger"]
     assert ledger["steps"] == STEPS and ledger["noise_multiplier"] == private["noise_multiplier"]
     assert ledger["epsilon"] == pytest.approx(private["epsilon"]) and ledger["composed_with"] == []
+    assert ledger["adjacency"] == private["adjacency"] == "zero-out"
 
 
 def test_a_private_run_is_charged_to_its_data_sets_ledger_and_composed_with_earlier_runs(local_ray, shards, tmp_path):
@@ -135,7 +136,7 @@ def test_a_private_run_is_charged_to_its_data_sets_ledger_and_composed_with_earl
     book = ledger_book(measure_shards(shards).fingerprint)
     with book.locked():
         book.charge(Charge("an-earlier-run", 2.0, 0.25, 10, "dp-finetune"))
-    config = with_overrides(_private_config(), {"private.steps": 2, "privacy.log_private_statistics": False})
+    config = with_overrides(_private_config(), {"private.steps": 2})
     result = run_pretrain(config, "private", shards, tmp_path / "out")
     alone = compute_epsilon(noise_multiplier=result["noise_multiplier"], sample_rate=result["sample_rate"], steps=2,
                             delta=result["delta"])
@@ -143,7 +144,7 @@ def test_a_private_run_is_charged_to_its_data_sets_ledger_and_composed_with_earl
     assert result["epsilon"] == pytest.approx(composed) and composed > alone and composed <= 8.0
     ours = [c for c in book.charges() if c.run != "an-earlier-run"]
     assert len(ours) == 1 and ours[0].steps == 2 and ours[0].purpose == "pretrain-dp"
-    # The switch keeps the values computed from private data and not privatized out of MLflow and result.json.
+    # By default the values computed from private data and not privatized stay out of MLflow and result.json.
     assert _metric(result["mlflow_run_id"], "train/loss") == []
     assert _metric(result["mlflow_run_id"], "train/images_per_s") == []
     assert len(_metric(result["mlflow_run_id"], "privacy/epsilon")) == 2

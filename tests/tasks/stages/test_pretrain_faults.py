@@ -5,6 +5,7 @@ is carried on, not restarted). A resumed run must keep its privacy plan."""
 from __future__ import annotations
 
 import copy
+import logging
 import math
 
 import pytest
@@ -132,15 +133,18 @@ def test_a_damaged_image_is_left_out_of_the_steps_inputs_with_its_masks(damaged_
     assert torch.equal(noise, stream.uniform((64, run.model.num_patches))[usable])  # drawn for all, rows kept
 
 
-def test_damaged_images_are_skipped_and_counted_and_the_run_finishes(local_ray, damaged_shards, tmp_path):
-    from tasks.stages.pretrain import run_pretrain
+def test_damaged_images_are_skipped_and_counted_and_the_run_finishes(local_ray, damaged_shards, tmp_path, caplog):
+    from tasks.stages.pretrain import PRIVATE_STATISTICS_WARNING, run_pretrain
 
     folder, damaged = damaged_shards  # 64 images, 4 of them damaged
     config = with_overrides(get_preset("tiny"), {
         "private.num_workers": 2, "private.cpus_per_worker": 0.5, "private.steps": 2, "private.batch_size": 64,
-        "private.physical_batch_size": 32, "private.checkpoint_every": 2,
+        "private.physical_batch_size": 32, "private.checkpoint_every": 2, "privacy.log_private_statistics": True,
     })
-    result = run_pretrain(config, "private", folder, tmp_path / "out")
+    with caplog.at_level(logging.WARNING, logger="tasks.stages.pretrain"):
+        result = run_pretrain(config, "private", folder, tmp_path / "out")
+    # The count is reported only where private statistics may leave the run, and turning that on says so once.
+    assert [record.getMessage() for record in caplog.records].count(PRIVATE_STATISTICS_WARNING) == 1
     assert result["steps"] == 2 and result["dataset_size"] == 64 and result["sample_rate"] == 1.0
     assert result["damaged_images_skipped"] == 2 * len(damaged)  # q = 1: every image in both steps
     assert math.isfinite(result["loss"])
