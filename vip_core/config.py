@@ -5,6 +5,10 @@ it as a form) and is flattened into MLflow params by :func:`flatten`. Fields hol
 only: the private dataset's size is measured at run time and enters through
 :func:`vip_core.privacy.plan.plan_privacy`, which checks the batch against it and calibrates σ against the
 data set's ledger.
+
+A user reaches every field without editing Python: :func:`resolve_config` layers a config file (YAML, TOML or
+JSON, :func:`read_config_file`) and ``FIELD=VALUE`` settings (:func:`parse_setting`) on a preset, for the ``vip``
+commands, the make targets and the deployments alike; :func:`config_yaml` writes a whole config as such a file.
 """
 
 from __future__ import annotations
