@@ -28,6 +28,13 @@ test-slow: setup
 	$(PY) -m pytest -q -m slow
 
 # ------------------------------------------------------------------------------------------ the pipeline
+# The config of every target that runs a flow (docs/settings.md): PRESET, then CONFIG=my.yaml (a file of some or all
+# fields, as `vip config show` prints), then SET='privacy.target_epsilon=4 private.steps=20' (space-separated
+# FIELD=VALUE settings, each value read as YAML), a later one winning.
+CONFIG ?=
+SET ?=
+CONFIG_OPTIONS = --preset $(PRESET) $(if $(CONFIG),--config '$(CONFIG)') $(foreach setting,$(SET),--set '$(setting)')
+
 # `make run`: the whole pipeline (the Prefect flow vip-pipeline) on $(PRESET) on the CPU, with a small web sample
 # served on 127.0.0.1 and small public evaluation sets made offline (flows/app/run.py).
 run: setup
@@ -43,7 +50,7 @@ URL_LIST ?=
 EVAL_DATA ?=
 CHECKPOINT ?=
 EVAL_TASKS ?=
-FLOW_OPTIONS = --preset $(PRESET) $(if $(URL_LIST),--url-list $(URL_LIST)) $(if $(EVAL_DATA),--eval-data $(EVAL_DATA)) \
+FLOW_OPTIONS = $(CONFIG_OPTIONS) $(if $(URL_LIST),--url-list $(URL_LIST)) $(if $(EVAL_DATA),--eval-data $(EVAL_DATA)) \
     $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) $(if $(EVAL_TASKS),--eval-tasks "$(EVAL_TASKS)")
 
 $(STAGES): setup
@@ -60,9 +67,10 @@ reproduce: setup
 ui: setup
 	$(PY) -m flows.app.servers ui
 
-# `make serve`: the flows as deployments, so that a run can be started from the Prefect UI (needs `make ui` running).
+# `make serve`: the flows as deployments, so that a run can be started from the Prefect UI (needs `make ui` running);
+# their default config is PRESET, CONFIG and SET's.
 serve: setup
-	$(PY) -m flows.app.serve
+	$(PY) -m flows.app.serve $(CONFIG_OPTIONS)
 
 .PHONY: $(STAGES) ui serve reproduce
 

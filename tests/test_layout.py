@@ -6,7 +6,8 @@
   ``benchmarks`` the stages too and the fixtures; ``cli`` (argument parsing only) any of those but no package
   outside the standard library. No module of ``tasks`` imports ``flows`` or Prefect.
 - ``flows`` compose the stages: they import the runtime, the core and (inside their tasks) the stages, never
-  torch, and never the application above them (``flows/app``), which alone may use the fixtures.
+  torch, and never the application above them (``flows/app``), which alone may use the fixtures and the
+  command line's options (the make targets read a config as ``vip`` does).
 Every ``import`` counts, also the ones inside functions.
 """
 
@@ -29,7 +30,7 @@ MAY_IMPORT = {
     "tasks.benchmarks": {"tasks.benchmarks", "tasks.stages", "tasks.runtime", "tasks.fixtures", "vip_core"},
     "tasks.cli": {"tasks.cli", "tasks.benchmarks", "tasks.stages", "tasks.runtime", "tasks.fixtures", "vip_core"},
     "flows": {"flows", "tasks.stages", "tasks.runtime", "vip_core"},
-    "flows.app": {"flows.app", "flows", "tasks.runtime", "tasks.fixtures", "vip_core"},
+    "flows.app": {"flows.app", "flows", "tasks.runtime", "tasks.fixtures", "tasks.cli", "vip_core"},
 }
 THIRD_PARTY_BANNED = {
     "vip_core": ORCHESTRATION,

@@ -5,12 +5,21 @@ it as a form) and is flattened into MLflow params by :func:`flatten`. Fields hol
 only: the private dataset's size is measured at run time and enters through
 :func:`vip_core.privacy.plan.plan_privacy`, which checks the batch against it and calibrates σ against the
 data set's ledger.
+
+A user reaches every field without editing Python: :func:`resolve_config` layers a config file (YAML, TOML or
+JSON, :func:`read_config_file`) and ``FIELD=VALUE`` settings (:func:`parse_setting`) on a preset, for the ``vip``
+commands, the make targets and the deployments alike; :func:`config_yaml` writes a whole config as such a file.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Literal, get_args
+import difflib
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Callable, Iterable, Literal, Mapping, Sequence, get_args
 
+import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 Accountant = Literal["prv", "pld", "rdp"]
@@ -562,20 +571,125 @@ def get_preset(name: str) -> VipConfig:
         raise ConfigError(f"preset: unknown preset {name!r} (known: {', '.join(PRESETS)})") from None
 
 
-def with_overrides(config: VipConfig, overrides: dict[str, Any]) -> VipConfig:
+def with_overrides(config: VipConfig, overrides: Mapping[str, Any]) -> VipConfig:
     """A copy of ``config`` with dotted-path ``overrides`` (``{"private.steps": 5}``), validated again."""
     data = config.model_dump()
     for dotted, value in overrides.items():
-        node = data
-        *parents, leaf = dotted.split(".")
-        for key in parents:
-            if not isinstance(node.get(key), dict):
-                raise ConfigError(f"{dotted}: no such field")
-            node = node[key]
-        if leaf not in node:
-            raise ConfigError(f"{dotted}: no such field")
-        node[leaf] = value
+        _merge(data, _nested(dotted, value))
     return validate_config(data)
+
+
+def resolve_config(preset: str, *, file: str | Path | None = None, overrides: Mapping[str, Any] | None = None,
+                   settings: Sequence[str] = ()) -> VipConfig:
+    """The config a command runs on: each layer changes the fields it names and a later layer wins.
+
+    Args:
+        preset: the preset's name, the first layer.
+        file: a config file of some or all fields (:func:`read_config_file`).
+        overrides: dotted fields a command's own flags set (``{"private.steps": 5}``).
+        settings: ``FIELD=VALUE`` texts (:func:`parse_setting`), applied last.
+
+    Raises:
+        ConfigError: one line naming the unknown field, the bad value's field, the malformed setting or the file.
+    """
+    data = get_preset(preset).model_dump()
+    if file is not None:
+        _merge(data, read_config_file(file))
+    for dotted, value in [*(overrides or {}).items(), *map(parse_setting, settings)]:
+        _merge(data, _nested(dotted, value))
+    return validate_config(data)
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The fields a YAML (``.yaml``, ``.yml``), TOML or JSON config file sets, as nested sections.
+
+    Raises:
+        ConfigError: the file cannot be read, is not valid in its format, or does not hold a mapping.
+    """
+    path = Path(path)
+    loader = _FILE_LOADERS.get(path.suffix.lower())
+    if loader is None:
+        raise ConfigError(f"config file {path}: the name must end in {', '.join(_FILE_LOADERS)}")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"config file {path}: cannot be read ({getattr(error, 'strerror', None) or error})") from None
+    try:
+        data = loader(text)
+    except (yaml.YAMLError, tomllib.TOMLDecodeError, json.JSONDecodeError) as error:
+        raise ConfigError(f"config file {path}: not valid {path.suffix.lstrip('.').upper()}: "
+                          f"{_parse_problem(error)}") from None
+    if data is None:  # an empty YAML file changes nothing
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: holds a {type(data).__name__}, not sections of fields")
+    return data
+
+
+_FILE_LOADERS: dict[str, Callable[[str], Any]] = {
+    ".yaml": yaml.safe_load, ".yml": yaml.safe_load, ".toml": tomllib.loads, ".json": json.loads,
+}
+
+
+def parse_setting(text: str) -> tuple[str, Any]:
+    """``privacy.target_epsilon=4`` as ``("privacy.target_epsilon", 4)``, the value read as YAML: ``4``, ``true``,
+    ``null``, ``[linprobe, coco]`` and ``'"2024"'`` (a quoted text) take their types.
+
+    Raises:
+        ConfigError: no ``=``, no field name, or a value YAML cannot read.
+    """
+    field, equals, value = text.partition("=")
+    if not equals or not field.strip():
+        raise ConfigError(f"malformed setting {text!r}: expected FIELD=VALUE, such as privacy.target_epsilon=4")
+    try:
+        return field.strip(), yaml.safe_load(value)
+    except yaml.YAMLError as error:
+        raise ConfigError(f"setting {field.strip()}: cannot read the value {value!r} ({_parse_problem(error)})") from None
+
+
+def _parse_problem(error: Exception) -> str:
+    """A parser's complaint on one line; YAML's own spans several, quoting the text."""
+    if isinstance(error, yaml.MarkedYAMLError) and error.problem_mark is not None:
+        mark = error.problem_mark
+        return f"{error.problem} (line {mark.line + 1}, column {mark.column + 1})"
+    return " ".join(str(error).split())
+
+
+def config_yaml(config: VipConfig) -> str:
+    """The whole config as YAML, sections in the models' order; :func:`read_config_file` reads it back."""
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False, width=120)
+
+
+def _nested(dotted: str, value: Any) -> dict[str, Any]:
+    """``("a.b", 1)`` as ``{"a": {"b": 1}}``."""
+    for key in reversed(dotted.split(".")):
+        value = {key: value}
+    return value
+
+
+def _merge(data: dict[str, Any], patch: Mapping[Any, Any], prefix: str = "") -> None:
+    """Writes ``patch`` into the dumped config ``data``, section into section; a key that is not a field of its
+    section raises :class:`ConfigError` naming it."""
+    for key, value in patch.items():
+        dotted = f"{prefix}{key}"
+        if key not in data:
+            raise _unknown_field(dotted, data)
+        if isinstance(data[key], dict) and isinstance(value, Mapping):
+            _merge(data[key], value, f"{dotted}.")
+        elif isinstance(value, Mapping) and value:  # no field holds a mapping: the keys were meant as fields
+            raise ConfigError(f"unknown config field {dotted}.{next(iter(value))} ({dotted} is a value, not a section)")
+        else:
+            data[key] = value
+
+
+def _unknown_field(dotted: str, known: Iterable[str]) -> ConfigError:
+    """``unknown config field privacy.target_epsilonn (did you mean privacy.target_epsilon?)``, or the section's
+    fields when none is close."""
+    section, _, name = dotted.rpartition(".")
+    prefix = f"{section}." if section else ""
+    close = difflib.get_close_matches(str(name), list(known), n=1)
+    hint = f"did you mean {prefix}{close[0]}?" if close else f"{section or 'the config'} has: {', '.join(known)}"
+    return ConfigError(f"unknown config field {dotted} ({hint})")
 
 
 def validate_config(data: dict[str, Any]) -> VipConfig:

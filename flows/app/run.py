@@ -26,9 +26,10 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
+from tasks.cli.options import add_config_sources, config_from
 from tasks.runtime.environment import configure_environment, state_paths
 from tasks.runtime.names import STAGES
-from vip_core.config import VipConfig, get_preset, with_overrides
+from vip_core.config import VipConfig
 
 TARGETS = ("run", *STAGES)
 WEB_PORT = 8765
@@ -123,20 +124,25 @@ def report(target: str, flow_state: Any, seconds: float) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m flows.app.run", description=__doc__.splitlines()[0])
     parser.add_argument("target", choices=TARGETS, help="run: the whole pipeline; a stage: its own flow")
     parser.add_argument("--preset", default="tiny", help="the config preset (default: tiny)")
+    add_config_sources(parser)
     parser.add_argument("--url-list", default="", help="a LAION-format url list (default: the sample web's)")
     parser.add_argument("--eval-data", default="", help="the evaluation sets' folder or fsspec URL (default: the offline ones)")
     parser.add_argument("--checkpoint", default="", help="eval: this checkpoint instead of the pipeline's encoder")
     parser.add_argument("--eval-tasks", default="", help="eval: these tasks (space-separated) instead of the preset's")
     parser.add_argument("--web-port", type=int, default=WEB_PORT, help="the sample web's port on 127.0.0.1")
     parser.add_argument("--images", type=int, default=WEB_IMAGES, help="photographs in the sample web")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     configure_environment()
     try:
-        config = _config(args.preset, args.eval_tasks)
+        config = target_config(args)
     except ValueError as error:
         print(f"make {args.target}: error: {error}", file=sys.stderr)
         return 2
@@ -164,9 +170,9 @@ def say(message: str) -> None:
     print(f"[vip] {message}", flush=True)
 
 
-def _config(preset: str, eval_tasks: str) -> VipConfig:
-    config = get_preset(preset)
-    return with_overrides(config, {"evaluation.tasks": tuple(eval_tasks.split())}) if eval_tasks else config
+def target_config(args: argparse.Namespace) -> VipConfig:
+    """The flow's config: the preset, ``CONFIG=``'s file, ``EVAL_TASKS=``, then ``SET=``'s settings."""
+    return config_from(args, overrides={"evaluation.tasks": args.eval_tasks.split()} if args.eval_tasks else None)
 
 
 def _demo_eval_data(root: Path, img_size: int) -> str:

@@ -4,7 +4,8 @@ Prefect UI.
 Needs the Prefect server (``make ui``, or ``PREFECT_API_URL`` naming a team's server): the API URL is set
 before Prefect is imported (Prefect reads it then; without one it would start a temporary server of its own),
 and without a server it stops with one line. The deployments'
-default parameters are the preset's config and the demo's inputs (the sample web, served by this process
+default parameters are the config (the preset, ``CONFIG=``'s file and ``SET=``'s settings, as ``make run`` reads
+them; the deployments are named after its ``name``) and the demo's inputs (the sample web, served by this process
 while it serves, and the offline evaluation data), so "Run" in the UI works as it is and shares its stages
 with ``make run`` and ``make <stage>``; the form shows every field of the config, and a team points
 ``url_list`` and ``eval_data`` at its own data. Ctrl-C (or SIGTERM) pauses the deployments on the server, so the
@@ -21,16 +22,17 @@ import sys
 
 from flows.app.run import WEB_PORT, flow_inputs
 from flows.app.servers import is_healthy, prefect_url, use_running_prefect_server
+from tasks.cli.options import add_config_sources, config_from
 from tasks.runtime.environment import configure_environment
-from vip_core.config import VipConfig, get_preset
+from vip_core.config import VipConfig
 from vip_core.reproduce import reproduce
 
 
 def deployments(config: VipConfig, inputs: dict[str, str]) -> list:
-    """Every make target's flow as a deployment named after the preset, with the inputs it takes."""
+    """Every make target's flow as a deployment named after the config's name, with the inputs it takes."""
     from flows.targets import FLOWS
 
-    description = f"preset {config.name}; every field of the config is editable in the run form"
+    description = f"config {config.name}; every field of the config is editable in the run form"
     made = []
     for target, flow in FLOWS.items():
         accepted = inspect.signature(flow.fn).parameters
@@ -51,12 +53,22 @@ def reproduce_deployment():
         description="make reproduce: every arm on every seed, then the table, the plot and a verdict per finding")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m flows.app.serve", description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="tiny", help="the config preset the deployments default to")
+    add_config_sources(parser)
     parser.add_argument("--web-port", type=int, default=WEB_PORT, help="the sample web's port on 127.0.0.1")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     configure_environment()
+    try:
+        config = config_from(args)
+    except ValueError as error:
+        print(f"make serve: error: {error}", file=sys.stderr)
+        return 2
     api_url = use_running_prefect_server() or f"{prefect_url()}/api"
     if not is_healthy(f"{api_url}/health"):
         print(f"make serve: error: no Prefect server answers at {api_url}; start it with `make ui` "
@@ -64,7 +76,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from prefect import serve  # only now: Prefect reads PREFECT_API_URL when it is imported
 
-    config = get_preset(args.preset)
     served: list = []
     try:
         with flow_inputs(config, {"url_list", "eval_data"}, web_port=args.web_port) as inputs:

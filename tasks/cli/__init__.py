@@ -18,6 +18,7 @@ from typing import Any, Sequence
 from tasks.runtime.environment import configure_environment
 
 COMMAND_MODULES = (
+    "tasks.cli.config",
     "tasks.cli.privacy",
     "tasks.cli.render",
     "tasks.cli.ingest",

@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from tasks.cli.options import add_command, add_json, add_mlflow_parent, add_output, add_preset, count, number
+from tasks.cli.options import (
+    add_command, add_json, add_mlflow_parent, add_output, add_preset, config_from, count, number,
+)
 
 
 def register(subparsers: Any) -> None:
@@ -34,12 +36,10 @@ def register(subparsers: Any) -> None:
 
 
 def audit_config(args: argparse.Namespace) -> Any:
-    """The preset with the privacy overrides the user gave."""
-    from vip_core.config import get_preset, with_overrides
-
+    """The preset and config file with the privacy overrides the user gave."""
     overrides: dict[str, Any] = {"privacy.target_epsilon": args.target_epsilon, "privacy.delta": args.delta,
                                  "privacy.enabled": False if args.no_privacy else None}
-    return with_overrides(get_preset(args.preset), {key: value for key, value in overrides.items() if value is not None})
+    return config_from(args, overrides={key: value for key, value in overrides.items() if value is not None})
 
 
 def handle_audit(args: argparse.Namespace) -> int:

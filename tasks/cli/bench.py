@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from tasks.cli.options import add_command, add_json, add_preset, count, number, preset_name
+from tasks.cli.options import add_command, add_json, count, number, preset_name
 from vip_core.train.precision import PRECISIONS
 
 
@@ -24,7 +24,7 @@ def _register_dp_step(benchmarks: Any) -> None:
     parser = add_command(benchmarks, "dp-step", handle_dp_step, help="time and peak memory of a DP-AdamW step "
                          "of the MAE against the non-private step and opacus")
     add_json(parser)
-    add_preset(parser)
+    add_model_preset(parser)
     parser.add_argument("--img-size", type=count(1), default=32, help="image side in pixels (default: 32)")
     parser.add_argument("--batch", type=count(1), default=64, help="samples per physical batch (default: 64)")
     parser.add_argument("--microbatches", type=count(1), default=1,
@@ -45,6 +45,12 @@ def _register_dp_step(benchmarks: Any) -> None:
     add_precision(parser)
     add_device(parser)
     parser.add_argument("--seed", type=int, default=0)
+
+
+def add_model_preset(parser: argparse.ArgumentParser, default: str = "tiny") -> None:
+    """The preset whose model a benchmark measures (by name: the benchmark's targets are the preset's)."""
+    parser.add_argument("--preset", default=default, type=preset_name,
+                        help=f"the preset whose model is measured (default: {default})")
 
 
 def add_precision(parser: argparse.ArgumentParser) -> None:
@@ -95,7 +101,7 @@ def _register_train(benchmarks: Any) -> None:
     parser = add_command(benchmarks, "train", handle_train, help="images/s of a DP pre-training step reading shards "
                          "through the input pipeline against the same step on images in memory, and of the loader")
     add_json(parser)
-    add_preset(parser)
+    add_model_preset(parser)
     parser.add_argument("--img-size", type=count(1), help="image side in pixels (default: the preset's)")
     parser.add_argument("--batch", type=count(1), default=32, help="expected samples per step (default: 32)")
     parser.add_argument("--images", type=count(1), default=256, help="JPEG images in the shards (default: 256)")
@@ -120,7 +126,7 @@ def _register_eval(benchmarks: Any) -> None:
     parser = add_command(benchmarks, "eval", handle_eval, help="peak memory of the linear probe at two data set sizes, "
                          "and images/s of its input pipeline against the encoder alone")
     add_json(parser)
-    parser.add_argument("--preset", default="vip-nano", type=preset_name, help="the encoder (default: vip-nano)")
+    add_model_preset(parser, default="vip-nano")
     parser.add_argument("--img-size", type=count(1), default=64, help="image side in pixels (default: 64)")
     parser.add_argument("--sizes", type=count(1), nargs=2, default=[5000, 20000], metavar=("SMALL", "LARGE"),
                         help="training images of the two runs (default: 5000 20000)")

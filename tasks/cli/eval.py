@@ -54,21 +54,21 @@ def register(subparsers: Any) -> None:
 
 
 def evaluation_config(args: argparse.Namespace) -> Any:
-    """The preset with the flags' fields, and the named DP fine-tuning setting when ``--dp-finetune`` is given."""
+    """The config with the flags' fields, and the named DP fine-tuning setting when ``--dp-finetune`` is given."""
     from tasks.cli import UsageError
-    from vip_core.config import DP_FINETUNE_PRESETS, with_overrides
+    from vip_core.config import DP_FINETUNE_PRESETS
 
-    config = config_from(args, EVAL_FLAGS)
+    overrides: dict[str, Any] = {}
     if args.baseline is not None:
-        config = with_overrides(config, {"evaluation.random_init_baseline": args.baseline})
-    if args.dp_finetune is None:
-        return config
-    if args.task != "finetune":
-        raise UsageError(f"--dp-finetune applies to --task finetune, not {args.task}")
-    if args.dp_finetune not in DP_FINETUNE_PRESETS:
-        raise UsageError(f"--dp-finetune: unknown setting {args.dp_finetune!r} (known: {', '.join(DP_FINETUNE_PRESETS)})")
-    evaluation = config.evaluation.model_copy(update={"finetune_privacy": DP_FINETUNE_PRESETS[args.dp_finetune]()})
-    return config.model_copy(update={"evaluation": evaluation})
+        overrides["evaluation.random_init_baseline"] = args.baseline
+    if args.dp_finetune is not None:
+        if args.task != "finetune":
+            raise UsageError(f"--dp-finetune applies to --task finetune, not {args.task}")
+        if args.dp_finetune not in DP_FINETUNE_PRESETS:
+            raise UsageError(f"--dp-finetune: unknown setting {args.dp_finetune!r} "
+                             f"(known: {', '.join(DP_FINETUNE_PRESETS)})")
+        overrides["evaluation.finetune_privacy"] = DP_FINETUNE_PRESETS[args.dp_finetune]().model_dump()
+    return config_from(args, EVAL_FLAGS, overrides)
 
 
 def handle_eval(args: argparse.Namespace) -> int:
@@ -85,7 +85,6 @@ def handle_eval(args: argparse.Namespace) -> int:
 def handle_eval_data(args: argparse.Namespace) -> int:
     from tasks.cli import print_json
     from tasks.fixtures.eval_sets import make_eval_sets
-    from vip_core.config import get_preset
 
-    print_json(make_eval_sets(args.output, get_preset(args.preset).model.img_size, args.scenes))
+    print_json(make_eval_sets(args.output, config_from(args).model.img_size, args.scenes))
     return 0

@@ -41,11 +41,8 @@ def register(subparsers: Any) -> None:
 
 
 def ingest_config(args: argparse.Namespace) -> Any:
-    """The preset with the flags the user gave, ``--condition`` included."""
-    from vip_core.config import with_overrides
-
-    config = config_from(args, INGEST_FLAGS)
-    return with_overrides(config, {"data.ingest.conditions": args.condition}) if args.condition else config
+    """The config with the flags the user gave, ``--condition`` included."""
+    return config_from(args, INGEST_FLAGS, {"data.ingest.conditions": args.condition} if args.condition else None)
 
 
 def handle_ingest(args: argparse.Namespace) -> int:

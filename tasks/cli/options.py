@@ -3,16 +3,18 @@
 ``--preset NAME`` (checked against the registry while parsing), ``--output DIR`` (the folder the command
 writes; always explicit: the flows, not the command, name the pipeline's folders), ``--data DIR``,
 ``--mlflow-parent RUN_ID`` (record the command's stage as a child run of that MLflow run), ``--json``.
-Flags that override a config field go through :func:`add_config_flags` and :func:`config_from`.
+A command's config is the preset, then ``--config FILE``, then its flags that override config fields
+(:func:`add_config_flags`), then every ``--set FIELD=VALUE``: :func:`config_from` layers them, the make targets'
+programs too.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
-from vip_core.config import PRESETS, VipConfig, get_preset, with_overrides
+from vip_core.config import PRESETS, VipConfig, resolve_config
 
 
 def add_command(subparsers: Any, name: str, handler: Callable[[argparse.Namespace], int], *, help: str,
@@ -24,7 +26,18 @@ def add_command(subparsers: Any, name: str, handler: Callable[[argparse.Namespac
 
 
 def add_preset(parser: argparse.ArgumentParser) -> None:
+    """The options that make a command's config: ``--preset``, then :func:`add_config_sources`' file and settings."""
     parser.add_argument("--preset", default="tiny", type=preset_name, help="configuration preset (default: tiny)")
+    add_config_sources(parser)
+
+
+def add_config_sources(parser: argparse.ArgumentParser) -> None:
+    """``--config FILE`` and repeatable ``--set FIELD=VALUE``, which :func:`config_from` layers on the preset."""
+    parser.add_argument("--config", metavar="FILE", help="a config file (YAML, TOML or JSON) of some or all fields, "
+                        "over the preset (`vip config show` prints a whole one)")
+    parser.add_argument("--set", action="append", default=[], dest="settings", metavar="FIELD=VALUE",
+                        help="set one config field, the value read as YAML (privacy.target_epsilon=4, "
+                        "evaluation.tasks=[linprobe,coco]); repeatable, applied last")
 
 
 def add_output(parser: argparse.ArgumentParser, holds: str) -> None:
@@ -52,14 +65,17 @@ def add_config_flags(parser: argparse.ArgumentParser, flags: dict[str, tuple[str
         parser.add_argument(flag, type=kind, help=text)
 
 
-def config_from(args: argparse.Namespace, flags: dict[str, tuple[str, type, str]]) -> VipConfig:
-    """The preset with the given config flags applied (``--batch-size`` sets its field)."""
-    overrides = {}
-    for flag, (field, _, _) in flags.items():
+def config_from(args: argparse.Namespace, flags: dict[str, tuple[str, type, str]] | None = None,
+                overrides: Mapping[str, Any] | None = None) -> VipConfig:
+    """The preset, then the ``--config`` file, then the config flags given (``--batch-size`` sets its field) and
+    ``overrides`` (the fields of a command's other flags), then the ``--set`` settings."""
+    fields = {}
+    for flag, (field, _, _) in (flags or {}).items():
         value = getattr(args, flag.removeprefix("--").replace("-", "_"))
         if value is not None:
-            overrides[field] = value
-    return with_overrides(get_preset(args.preset), overrides)
+            fields[field] = value
+    return resolve_config(args.preset, file=args.config, overrides={**fields, **(overrides or {})},
+                          settings=args.settings)
 
 
 def preset_name(text: str) -> str:

@@ -45,12 +45,12 @@ def register(subparsers: Any) -> None:
 
 
 def handle_pretrain(args: argparse.Namespace) -> int:
+    flags = {flag: (field.format(stage=args.stage), kind, text) for flag, (field, kind, text) in STAGE_FLAGS.items()}
+    config = config_from(args, flags)  # before the imports of torch and Ray: a wrong setting fails at once
     from tasks.cli import print_json
     from tasks.stages.pretrain import run_pretrain
     from tasks.runtime import tracking
 
-    flags = {flag: (field.format(stage=args.stage), kind, text) for flag, (field, kind, text) in STAGE_FLAGS.items()}
-    config = config_from(args, flags)
     with tracking.optional_stage_run(args.mlflow_parent, PRETRAIN_STAGES[args.stage], config) as run_id:
         result = run_pretrain(config, args.stage, args.data, args.output, init_checkpoint=args.init_checkpoint,
                               resume=args.resume, mlflow_run_id=run_id)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from tasks.cli.options import add_command, add_preset, count
+from tasks.cli.options import add_command, add_preset, config_from, count
 from vip_core.config import DISTRIBUTORS
 
 
@@ -27,9 +27,8 @@ def register(subparsers: Any) -> None:
 def handle_shards(args: argparse.Namespace) -> int:
     from tasks.cli import print_json
     from tasks.stages.check import check_shards
-    from vip_core.config import get_preset
 
-    img_size = args.img_size or get_preset(args.preset).model.img_size
+    img_size = args.img_size or config_from(args).model.img_size
     report = check_shards(args.check, img_size, args.distributor)
     print_json(report)
     return 0 if report["ok"] else 1
