@@ -1,18 +1,21 @@
-"""Web-image ingestion: a LAION-format url list to clean webdataset shards.
+"""Ingestion: a LAION-format url list (:func:`run_ingest`) or a folder or bucket of image files
+(:func:`run_ingest_images`) to clean webdataset shards.
 
-img2dataset downloads the rows into raw shards (bodies kept as sent, no re-encoding) in a child process;
-meanwhile each raw shard is *judged* as soon as img2dataset finishes it: decoded, filtered, hashed and
-decontaminated against the evaluation images (:mod:`tasks.stages.ingest_shards`). Once every shard is judged,
+For a url list, img2dataset downloads the rows into raw shards (bodies kept as sent, no re-encoding) in a child
+process; meanwhile each raw shard is *judged* as soon as img2dataset finishes it: decoded, filtered, hashed and
+decontaminated against the evaluation images (:mod:`tasks.stages.ingest_shards`). Files are judged the same way,
+each shard's task reading its files itself. Once every shard is judged,
 one global deduplication decides every candidate (:func:`vip_core.data.global_dedup.deduplicate`: first in
 row order wins, whatever the number of machines), and each judged shard becomes ``web-{shard:06d}.tar``
 named after its raw shard. Layout of the output folder::
 
     web-000000.tar ...      clean shards (key.jpg + key.json), readable by vip_core.data.shards
-    manifest.parquet        one row per input row: status (kept, failed, filtered, duplicate,
+    manifest.parquet        one row per input row (url or file): status (kept, failed, filtered, duplicate,
                             decontaminated), reason, hashes, the clean shard that holds it
     stats.json              {"input", "downloaded", "failed", "filtered", "duplicates", "decontaminated", "kept"}
-    stage.json              the stage folder's claim: url list, settings, evaluation images (tasks.runtime.folders)
-    _ingest/                state: the url list as img2dataset reads it and as the shards' tasks read it,
+    stage.json              the stage folder's claim: url list or files, settings, evaluation images
+                            (tasks.runtime.folders)
+    _ingest/                state: the input rows as the shards' tasks read them, the url list as img2dataset reads it,
                             raw shards, judged shards, manifest parts, img2dataset's log
 
 Where the work runs is ``data.ingest.distributor``: ``multiprocessing`` (img2dataset's process pool, the
@@ -40,6 +43,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -48,7 +52,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tasks.runtime.environment import configure_environment, state_paths
-from tasks.runtime.folders import StageFolder, eval_data_copy, identity
+from tasks.runtime.folders import StageFolder, digest, eval_data_copy, identity
 from tasks.runtime.runner import Runner, task_runner
 from tasks.stages.ingest_shards import (
     MANIFEST_SCHEMA, SHARD_PREFIX, Contamination, IngestLayout, JudgedShard, ShardWork, fault_shard,
@@ -70,6 +74,7 @@ _SPEED_SETTINGS = {"processes", "threads", "timeout_s", "distributor", "rows_per
 _POLL_S = 0.1
 _STOP_GRACE_S = 20.0
 CPUS_PER_TASK = 1.0  # a shard's judging and finishing, and each deduplication step, are CPU-bound
+KEY_DIGITS = 9  # an image file's key is its row number, zero-padded to at least this many digits
 
 
 class IngestError(RuntimeError):
@@ -103,34 +108,106 @@ def run_ingest(
         IngestError: img2dataset stopped early; running again resumes.
     """
     configure_environment()
+    urls = read_url_list(url_list)
+    urls.check_conditions(_sample_filter(config.data.ingest).conditions)
+    source = IngestInput(urls.table, urls.url_column, urls.caption_column,
+                         {"url_list_sha256": file_digest(urls.path)}, url_list=urls)
+    return ingest_input(config, source, output, eval_images)
+
+
+def run_ingest_images(
+    config: VipConfig, images: str | Path, output: str | Path, eval_images: str | Path | None = None
+) -> dict[str, Any]:
+    """Filters, deduplicates and decontaminates the files below ``images`` into clean shards in ``output``, as
+    :func:`run_ingest` does a url list's downloads: the same judging, shards, manifest, ``stats.json`` and resume.
+
+    Args:
+        config: the run's configuration; ``config.data.ingest`` drives this stage (its url-list settings aside).
+        images: a folder, searched at every depth, or an fsspec URL (``s3://bucket/photos``). Every file below it
+            is one input row, in the order of its path (the first of two duplicates is kept); names starting with
+            ``.`` (``.DS_Store``, ``.git/``) are left out. A file that is not a usable image is counted as failed
+            with its reason (``unreadable``, ``not_an_image``, ``corrupt``, ``truncated``, ``empty_body``,
+            ``decompression_bomb``).
+        output: as for :func:`run_ingest`.
+        eval_images: as for :func:`run_ingest`.
+
+    Raises:
+        FileNotFoundError, ValueError: no file below ``images``, ``data.ingest.conditions`` set (they test url-list
+            columns), a missing evaluation folder, or an output folder that holds an ingestion of other files or
+            other settings.
+    """
+    configure_environment()
+    if config.data.ingest.conditions:
+        raise ValueError("data.ingest.conditions: conditions test url-list columns, which image files do not have")
+    files = image_files(images)
+    if not files:
+        raise ValueError(f"no image files below {images}")
+    digits = max(KEY_DIGITS, len(str(len(files) - 1)))
+    table = pa.table({"path": list(files), "key": [f"{row:0{digits}d}" for row in range(len(files))]})
+    source = IngestInput(table, "path", None, {"image_files_sha256": digest(files)}, images=str(images))
+    return ingest_input(config, source, output, eval_images)
+
+
+def image_files(images: str | Path) -> dict[str, list]:
+    """The files below ``images`` that :func:`run_ingest_images` reads, by relative path, with their size and version.
+
+    Raises:
+        FileNotFoundError: ``images`` does not exist.
+    """
+    return {name: version for name, version in storage.tree(images).items()
+            if not any(part.startswith(".") for part in name.split("/"))}
+
+
+@dataclass(frozen=True)
+class IngestInput:
+    """What an ingestion reads, one row per image in the order that decides which of two duplicates is kept.
+
+    Attributes:
+        table: the rows; the filters' conditions name its columns.
+        url_column: the column naming each row's image (for files: ``path``, relative to ``images``).
+        caption_column: the column of captions, if any.
+        claim: what identifies the input in the output folder's ``stage.json``.
+        url_list: the url list img2dataset downloads; None for files.
+        images: the folder or fsspec URL the files are read from; None for a url list.
+    """
+
+    table: pa.Table
+    url_column: str
+    caption_column: str | None
+    claim: dict[str, Any]
+    url_list: UrlList | None = None
+    images: str | None = None
+
+
+def ingest_input(config: VipConfig, source: IngestInput, output: str | Path,
+                 eval_images: str | Path | None = None) -> dict[str, Any]:
+    """The stage on ``source`` (a url list or files), into ``output`` as :func:`run_ingest` describes."""
     if not storage.is_url(output):
-        return _ingest(config, url_list, Path(output), eval_images, upload_to=None)
-    staged = _ingest(config, url_list, staging_folder(str(output)), eval_images, upload_to=str(output))
+        return _ingest(config, source, Path(output), eval_images, upload_to=None)
+    staged = _ingest(config, source, staging_folder(str(output)), eval_images, upload_to=str(output))
     storage.put([Path(staged["output"]) / name for name in ("manifest.parquet", "stats.json")], str(output))
     return {**staged, "output": str(output), "staging": staged["output"]}
 
 
-def _ingest(config: VipConfig, url_list: str | Path, output: Path, eval_images: str | Path | None,
+def _ingest(config: VipConfig, source: IngestInput, output: Path, eval_images: str | Path | None,
             upload_to: str | None) -> dict[str, Any]:
     """The stage in the local folder ``output``, each clean shard also uploaded to the URL ``upload_to`` when given
     (by the task that finishes it)."""
     settings = config.data.ingest
-    urls = read_url_list(url_list)
-    sample_filter = _sample_filter(settings)
-    urls.check_conditions(sample_filter.conditions)
+    rows = source.table.num_rows
     contamination, eval_hashes = _contamination(eval_images, settings.decontaminate_max_distance)
     layout = IngestLayout(output.resolve())
     with exclusive_use(layout) as lock:
-        StageFolder(layout.output, "ingest", _fingerprint(settings, urls, eval_hashes)).claim()
-        shard_count = math.ceil(len(urls) / settings.samples_per_shard)
+        StageFolder(layout.output, "ingest", _fingerprint(settings, source, eval_hashes)).claim()
+        shard_count = math.ceil(rows / settings.samples_per_shard)
         if not all(layout.part(shard).exists() for shard in range(shard_count)):
-            work = ShardWork(layout, settings, sample_filter, contamination, urls.url_column, urls.caption_column,
-                             upload_to, fault_shard())
-            _write_inputs(layout, urls, settings.samples_per_shard)
+            work = ShardWork(layout, settings, _sample_filter(settings), contamination, source.url_column,
+                             source.caption_column, upload_to, fault_shard(), images=source.images)
+            _write_inputs(layout, source, settings.samples_per_shard)
             with task_runner(settings.distributor, CPUS_PER_TASK) as runner:
-                judged = _download_and_judge(runner, work, shard_count, lock)
+                judged = _fetch_and_judge(runner, work, shard_count, lock)
                 _deduplicate_and_finalize(runner, work, judged)
-        stats = _finish(layout, shard_count, len(urls), settings.samples_per_shard)
+        stats = _finish(layout, shard_count, rows, settings.samples_per_shard)
     return {**stats, "output": str(layout.output), "shards": len(list_shards(layout.output, SHARD_PREFIX))}
 
 
@@ -170,6 +247,14 @@ def exclusive_use(layout: IngestLayout) -> Iterator[int]:
         yield descriptor
     finally:
         os.close(descriptor)
+
+
+def _fetch_and_judge(runner: Runner, work: ShardWork, shard_count: int, lock: int) -> list[JudgedShard]:
+    """Every shard judged: a url list's as img2dataset downloads them, files' as they are read by the tasks."""
+    if work.images is None:
+        return _download_and_judge(runner, work, shard_count, lock)
+    shared = runner.share(work)
+    return runner.get([runner.submit(judge_shard, shared, shard_id) for shard_id in range(shard_count)])
 
 
 def _download_and_judge(runner: Runner, work: ShardWork, shard_count: int, lock: int) -> list[JudgedShard]:
@@ -233,9 +318,9 @@ def _sample_filter(settings: IngestConfig) -> SampleFilter:
     )
 
 
-def _fingerprint(settings: IngestConfig, urls: UrlList, eval_hashes: dict[str, int]) -> dict[str, Any]:
+def _fingerprint(settings: IngestConfig, source: IngestInput, eval_hashes: dict[str, int]) -> dict[str, Any]:
     return {
-        "url_list_sha256": file_digest(urls.path),
+        **source.claim,
         "settings": settings.model_dump(mode="json", exclude=_SPEED_SETTINGS),
         "eval_image_hashes_sha256": hashlib.sha256(
             "".join(sorted(f"{value:016x}" for value in eval_hashes.values())).encode()
@@ -286,13 +371,14 @@ def _finish(layout: IngestLayout, shard_count: int, input_rows: int, samples_per
 # -------------------------------------------------------------------------------------------- writing
 
 
-def _write_inputs(layout: IngestLayout, urls: UrlList, samples_per_shard: int) -> None:
-    """The url list as img2dataset reads it (:func:`write_img2dataset_input`) and as the shards' tasks read it
-    (every column, one row group per shard), each written once."""
-    write_img2dataset_input(layout.url_input, urls)
+def _write_inputs(layout: IngestLayout, source: IngestInput, samples_per_shard: int) -> None:
+    """The input's rows as the shards' tasks read them (every column, one row group per shard) and a url list as
+    img2dataset reads it (:func:`write_img2dataset_input`), each written once."""
+    if source.url_list is not None:
+        write_img2dataset_input(layout.url_input, source.url_list)
     if not layout.rows.exists():
         with atomic_path(layout.rows) as partial:
-            pq.write_table(urls.table, partial, row_group_size=samples_per_shard)
+            pq.write_table(source.table, partial, row_group_size=samples_per_shard)
 
 
 def write_img2dataset_input(path: Path, urls: UrlList) -> Path:

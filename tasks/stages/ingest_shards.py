@@ -3,9 +3,9 @@
 Every function here reads and writes the stage's folder (:class:`IngestLayout`; on a cluster, a folder all
 nodes share) and returns something small:
 
-* :func:`judge_shard`: a raw img2dataset shard becomes a *judged* shard: every row's verdict before
-  deduplication (failed, filtered, decontaminated, or ``candidate`` with its hashes) and the candidates'
-  images, centre-cropped and resized.
+* :func:`judge_shard`: a raw img2dataset shard (or, for image files, the shard's rows of files, read here)
+  becomes a *judged* shard: every row's verdict before deduplication (failed, filtered, decontaminated, or
+  ``candidate`` with its hashes) and the candidates' images, centre-cropped and resized.
 * :func:`load_candidates`: the hashes of the candidates of some shards, for the global deduplication.
 * :func:`finalize_shards`: with the deduplication's decisions, a judged shard becomes the clean shard
   ``web-{shard:06d}.tar`` (the kept images) and its manifest part.
@@ -26,7 +26,7 @@ import signal
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Iterator, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -146,7 +146,8 @@ class Contamination:
 @dataclass(frozen=True)
 class ShardWork:
     """What every shard's task needs: the folder, the settings, the filters, the evaluation images (or None),
-    the url list's URL and caption columns and the URL the clean shards go to (or None)."""
+    the input's location and caption columns, the URL the clean shards go to (or None) and where the images
+    come from: img2dataset's raw shards, or the files below ``images``."""
 
     layout: IngestLayout
     settings: IngestConfig
@@ -156,6 +157,19 @@ class ShardWork:
     caption_column: str | None
     upload_to: str | None = None  # the URL each clean shard is uploaded to once written, if any
     fault_shard: int | None = None  # FAULT_ENV, read where the stage starts
+    images: str | None = None  # the folder (or URL) that the rows' ``path`` is relative to; None: a url list
+
+
+class Fetched(NamedTuple):
+    """One input row's image as fetched: its row number, key, where it came from (None: the row names nothing),
+    its bytes, why there are none (a failure reason) and their sha256 when the fetcher computed it."""
+
+    row: int
+    key: str
+    url: str | None
+    body: bytes | None
+    failure: str | None
+    sha256: str | None = None
 
 
 class JudgedShard(NamedTuple):
@@ -176,10 +190,8 @@ def judge_shard(work: ShardWork, shard_id: int) -> JudgedShard:
     if not layout.judged_part(shard_id).exists():
         rows = pq.ParquetFile(layout.rows).read_row_group(shard_id).to_pylist()
         first_row = shard_id * work.settings.samples_per_shard
-        bodies = {sample["__key__"]: sample.get("jpg", b"") for sample in iter_samples([layout.raw_tar(shard_id)])}
-        downloads = sorted(pq.read_table(layout.raw_meta(shard_id)).to_pylist(), key=lambda item: item["key"])
-        judged = [_judge(work, item, rows[int(item["row"]) - first_row], bodies.pop(item["key"], None))
-                  for item in downloads]
+        fetched = _read_files(work, rows, first_row) if work.images else _downloaded(work, shard_id, rows, first_row)
+        judged = [_judge(work, item, row) for item, row in fetched]
         _decontaminate(work, [record for record, _ in judged])
         write_shard(layout.candidates_tar(shard_id),
                     [(record["key"], fields) for record, fields in judged if record["status"] == CANDIDATE])
@@ -211,20 +223,46 @@ def _maybe_kill(work: ShardWork, shard_id: int) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _judge(work: ShardWork, item: dict[str, Any], row: dict[str, Any], body: bytes | None) -> tuple[dict, dict | None]:
-    """One downloaded row's record (failed, filtered, or a candidate with its hashes) and, for a candidate, its
+def _downloaded(work: ShardWork, shard_id: int, rows: list[dict[str, Any]], first_row: int
+                ) -> Iterator[tuple[Fetched, dict[str, Any]]]:
+    """Each row of raw shard ``shard_id`` as img2dataset fetched it, in key order, with its url-list row."""
+    layout = work.layout
+    bodies = {sample["__key__"]: sample.get("jpg", b"") for sample in iter_samples([layout.raw_tar(shard_id)])}
+    for item in sorted(pq.read_table(layout.raw_meta(shard_id)).to_pylist(), key=lambda item: item["key"]):
+        row = rows[int(item["row"]) - first_row]
+        url, body = clean_url(row.get(work.url_column)), bodies.pop(item["key"], None)
+        failure = "no_url" if url is None else None
+        if failure is None and (item["status"] != "success" or body is None):
+            failure = failure_reason(item.get("error_message"))
+        yield Fetched(int(item["row"]), item["key"], url, body, failure, item.get("sha256")), row
+
+
+def _read_files(work: ShardWork, rows: list[dict[str, Any]], first_row: int) -> Iterator[tuple[Fetched, dict[str, Any]]]:
+    """Each row's file read from below ``work.images``, one at a time; a file that cannot be read is
+    ``unreadable``."""
+    for offset, row in enumerate(rows):
+        location = str(storage.join(work.images, row["path"]))
+        try:
+            with storage.open_binary(location) as handle:
+                body, failure = handle.read(), None
+        except OSError as error:
+            logger.warning("unreadable image file %s: %s", location, error)
+            body, failure = None, "unreadable"
+        yield Fetched(first_row + offset, row["key"], location, body, failure), row
+
+
+def _judge(work: ShardWork, item: Fetched, row: dict[str, Any]) -> tuple[dict, dict | None]:
+    """One fetched row's record (failed, filtered, or a candidate with its hashes) and, for a candidate, its
     sample's fields (the image centre-cropped, resized and encoded, and its metadata)."""
-    record = {"row": int(item["row"]), "key": item["key"], "url": clean_url(row.get(work.url_column))}
-    if record["url"] is None:
-        return _verdict(record, "failed", "no_url"), None
-    if item["status"] != "success" or body is None:
-        return _verdict(record, "failed", failure_reason(item.get("error_message"))), None
+    record = {"row": item.row, "key": item.key, "url": item.url}
+    if item.failure is not None:
+        return _verdict(record, "failed", item.failure), None
     settings = work.settings
-    image, reason = decode_web_image(body, settings.max_image_pixels, draft_size=settings.image_size)
+    image, reason = decode_web_image(item.body, settings.max_image_pixels, draft_size=settings.image_size)
     if image is None:
         return _verdict(record, "failed", reason), None
     width, height = image.info["original_size"]
-    record.update(original_width=width, original_height=height, sha256=item.get("sha256") or content_hash(body))
+    record.update(original_width=width, original_height=height, sha256=item.sha256 or content_hash(item.body))
     reason = work.sample_filter.reason(row, width, height)
     if reason is not None:
         return _verdict(record, "filtered", reason), None

@@ -91,6 +91,29 @@ def listing(folder: str) -> dict[str, dict[str, Any]]:
     return {found[len(inner) + 1:]: info for found, info in fs.find(inner, detail=True).items()}
 
 
+def tree(folder: Location) -> dict[str, list]:
+    """Every file below ``folder`` (at any depth; a dangling link included), by its ``/``-separated path relative
+    to ``folder``, in sorted order, with ``[size, version]``: the modification time, or what the store lists
+    (ETag, else modification time), so that a rewritten file changes its entry.
+
+    Raises:
+        FileNotFoundError: ``folder`` does not exist (a URL: no file below it).
+    """
+    if is_url(folder):
+        found = listing(str(folder))
+        return {name: [info.get("size"), str(info.get("ETag") or info.get("LastModified") or info.get("mtime"))]
+                for name, info in sorted(found.items())}
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder} is not a folder" if folder.exists() else f"folder {folder} does not exist")
+    found = {}
+    for path in folder.rglob("*"):
+        if not path.is_dir():
+            stat = path.stat() if path.exists() else path.lstat()
+            found[path.relative_to(folder).as_posix()] = [stat.st_size, stat.st_mtime_ns]
+    return dict(sorted(found.items()))
+
+
 def download(folder: str, target: Path) -> Path:
     """Copies every file below the URL ``folder`` into the local folder ``target``, which appears whole or not at
     all (:func:`~vip_core.atomic.atomic_path`); a ``target`` already there is kept as it is. Returns ``target``.
