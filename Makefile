@@ -42,15 +42,18 @@ run: setup
 
 # `make <stage>`: the stage's own Prefect flow, after the stages it reads, with the pipeline's folders and cache
 # keys: what `make run` did is Cached, and `make run` reuses what a stage target did. The stages are listed once,
-# in tasks/runtime/names.py. Options: URL_LIST=laion.parquet (default: the sample web), EVAL_DATA=folder or fsspec
+# in tasks/runtime/names.py. Options: URL_LIST=laion.parquet (default: the sample web), INPUT=folder or fsspec URL
+# of your own image files (read instead of a url list: docs/own-images.md), EVAL_DATA=folder or fsspec
 # URL (s3://bucket/eval) with classification/ coco/ ade20k/ (default: the offline sets), CHECKPOINT=file or folder (eval: evaluate it instead
 # of the pipeline's encoder), EVAL_TASKS="linprobe coco" (eval: these tasks only).
 STAGES := $(shell $(PYTHON) -m tasks.runtime.names)
 URL_LIST ?=
+INPUT ?=
 EVAL_DATA ?=
 CHECKPOINT ?=
 EVAL_TASKS ?=
-FLOW_OPTIONS = $(CONFIG_OPTIONS) $(if $(URL_LIST),--url-list $(URL_LIST)) $(if $(EVAL_DATA),--eval-data $(EVAL_DATA)) \
+FLOW_OPTIONS = $(CONFIG_OPTIONS) $(if $(URL_LIST),--url-list $(URL_LIST)) $(if $(INPUT),--input $(INPUT)) \
+    $(if $(EVAL_DATA),--eval-data $(EVAL_DATA)) \
     $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) $(if $(EVAL_TASKS),--eval-tasks "$(EVAL_TASKS)")
 
 $(STAGES): setup

@@ -50,19 +50,22 @@ def config_slice(config: VipConfig, stage: str) -> dict[str, Any]:
     return {path: _dump(_field(config, path)) for path in CONFIG_SLICES[stage]}
 
 
-def slice_digest(config: VipConfig, stage: str, inputs: tuple[str, ...] = (), length: int = 8) -> str:
-    """A short hash of the stage's config slice and its input paths (a URL with its listing, :func:`identity`):
-    the suffix of its output folder.
+def slice_digest(config: VipConfig, stage: str, inputs: tuple[str, ...] = (), length: int = 8,
+                 contents: tuple[Any, ...] = ()) -> str:
+    """A short hash of the stage's config slice, its input paths (a URL with its listing, :func:`identity`) and
+    ``contents`` (what else names the inputs: the files of an image folder): the suffix of its output folder.
 
     Raises:
         FileNotFoundError: an input URL with no file below it.
     """
-    return digest([config_slice(config, stage), [identity(path) for path in inputs if path]])[:length]
+    named = [config_slice(config, stage), [identity(path) for path in inputs if path]]
+    return digest(named + [list(contents)] if contents else named)[:length]
 
 
-def stage_folder(workdir: str | Path, stage: str, config: VipConfig, inputs: tuple[str, ...] = ()) -> str:
-    """``workdir/<stage>-<digest>``: where a stage writes for this config and these input paths."""
-    return str(Path(workdir) / f"{stage}-{slice_digest(config, stage, inputs)}")
+def stage_folder(workdir: str | Path, stage: str, config: VipConfig, inputs: tuple[str, ...] = (),
+                 contents: tuple[Any, ...] = ()) -> str:
+    """``workdir/<stage>-<digest>``: where a stage writes for this config, these input paths and ``contents``."""
+    return str(Path(workdir) / f"{stage}-{slice_digest(config, stage, inputs, contents=contents)}")
 
 
 def default_workdir(config: VipConfig) -> str:
@@ -70,14 +73,23 @@ def default_workdir(config: VipConfig) -> str:
     return str(state_paths()["runs"] / config.name)
 
 
-def stage_folders(config: VipConfig, workdir: str | Path, url_list: str, eval_data: str) -> dict[str, str]:
-    """Where each training-side stage writes, for one config and the pipeline's two inputs.
+def stage_folders(config: VipConfig, workdir: str | Path, url_list: str, eval_data: str,
+                  image_folder: str = "") -> dict[str, str]:
+    """Where each training-side stage writes, for one config and the pipeline's inputs: the private data (a url
+    list, or an image folder named with every file below it, so that a folder with a photo added, removed or
+    rewritten is ingested into a new folder) and the evaluation data.
 
     The evaluation's folder also depends on the checkpoint evaluated (:func:`eval_folder`), the audit's on
     its own settings (:func:`audit_folder`).
     """
-    folders = {"ingest": stage_folder(workdir, "ingest", config, inputs=(url_list, eval_data)),
-               "render": stage_folder(workdir, "render", config)}
+    if image_folder:
+        from tasks.stages.ingest import image_files
+
+        ingest = stage_folder(workdir, "ingest", config, inputs=(image_folder, eval_data),
+                              contents=(image_files(image_folder),))
+    else:
+        ingest = stage_folder(workdir, "ingest", config, inputs=(url_list, eval_data))
+    folders = {"ingest": ingest, "render": stage_folder(workdir, "render", config)}
     folders["pretrain-syn"] = stage_folder(workdir, "pretrain-syn", config, inputs=(folders["render"],))
     folders["pretrain-dp"] = stage_folder(
         workdir, "pretrain-dp", config, inputs=(folders["ingest"], folders["pretrain-syn"]))

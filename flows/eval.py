@@ -12,7 +12,7 @@ from vip_core.config import VipConfig, tiny
 
 @flow(name="vip-eval", task_runner=ThreadPoolTaskRunner(max_workers=EVAL_THREADS))
 def eval_flow(config: VipConfig = tiny(), url_list: str = "", eval_data: str = "", workdir: str = "",
-              checkpoint: str = "") -> dict:
+              checkpoint: str = "", image_folder: str = "") -> dict:
     """Runs ``config.evaluation.tasks`` on the encoder of ``checkpoint`` and on a random-init one.
 
     Args:
@@ -23,11 +23,13 @@ def eval_flow(config: VipConfig = tiny(), url_list: str = "", eval_data: str = "
             and ``ade20k/``.
         workdir: empty: ``$VIP_HOME/runs/<config.name>``.
         checkpoint: a checkpoint (file or folder) to evaluate instead of the pipeline's encoder.
+        image_folder: the pipeline's image folder, read instead of ``url_list``.
 
     Returns:
         ``{task: metrics}`` with ``metrics["result"]`` and ``metrics["baseline"]``.
     """
-    with stage_graph("vip-eval", config, url_list=url_list, eval_data=eval_data, workdir=workdir) as graph:
+    with stage_graph("vip-eval", config, url_list=url_list, eval_data=eval_data, workdir=workdir,
+                     image_folder=image_folder) as graph:
         evaluations = graph.evaluations(checkpoint or None)
         tracking.log_metrics(graph.parent_run_id, results.evaluation_metrics(evaluations))
         return evaluations

@@ -41,28 +41,32 @@ class StageGraph(contextlib.ExitStack):
     Args:
         config: the run's configuration.
         url_list: the private pre-training data: a LAION-format url list.
+        image_folder: the private pre-training data as image files, instead of ``url_list``: a folder or fsspec URL.
         eval_data: the public evaluation data (``classification/``, ``coco/``, ``ade20k/``), also what the web
             images are decontaminated against: a local folder or an fsspec URL (``s3://bucket/eval``).
         workdir: where the stages' folders are.
         parent_run_id: the flow run's MLflow run; each stage logs a child run under it.
     """
 
-    def __init__(self, config: VipConfig, *, url_list: str, eval_data: str, workdir: str, parent_run_id: str) -> None:
+    def __init__(self, config: VipConfig, *, url_list: str, eval_data: str, workdir: str, parent_run_id: str,
+                 image_folder: str = "") -> None:
         super().__init__()
         self.config = config
         self.eval_data = eval_data
         self.workdir = workdir
         self.parent_run_id = parent_run_id
         self.url_list = url_list
-        self.folders = stage_folders(config, workdir, url_list, eval_data)
+        self.image_folder = image_folder
+        self.folders = stage_folders(config, workdir, url_list, eval_data, image_folder)
         self._futures: dict[str, PrefectFuture] = {}
         self._ray_started = False
 
     def ingest(self) -> PrefectFuture:
-        """Web images from the url list: downloaded, filtered, deduplicated, decontaminated."""
+        """The private images from the url list (or the image folder): fetched, filtered, deduplicated, decontaminated."""
         folder = self.folders["ingest"]
         return self._once("ingest", lambda: _submit(
-            _fresh_if_missing(ingest, folder), self.config, self.url_list, folder, self.eval_data, self.parent_run_id))
+            _fresh_if_missing(ingest, folder), self.config, self.url_list, folder, self.eval_data, self.parent_run_id,
+            self.image_folder))
 
     def render(self) -> PrefectFuture:
         """Synthetic images from procedural shader programs."""
@@ -148,12 +152,12 @@ class StageGraph(contextlib.ExitStack):
 
 @contextlib.contextmanager
 def stage_graph(flow_name: str, config: VipConfig, *, url_list: str = "", eval_data: str = "",
-                workdir: str = "") -> Iterator[StageGraph]:
+                workdir: str = "", image_folder: str = "") -> Iterator[StageGraph]:
     """A flow's graph, inside the flow run's MLflow parent run; ``workdir`` empty: ``$VIP_HOME/runs/<preset>``."""
     configure_environment()
     with flow_tracking(flow_name, config) as parent_run_id, StageGraph(
         config, url_list=url_list, eval_data=eval_data, workdir=workdir or default_workdir(config),
-        parent_run_id=parent_run_id,
+        parent_run_id=parent_run_id, image_folder=image_folder,
     ) as graph:
         yield graph
 

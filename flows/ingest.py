@@ -1,4 +1,5 @@
-"""The ingestion stage's own flow (``make ingest``): web images from a url list into clean shards."""
+"""The ingestion stage's own flow (``make ingest``): web images from a url list, or image files from a folder or
+bucket (``make ingest INPUT=...``), into clean shards."""
 
 from __future__ import annotations
 
@@ -9,14 +10,18 @@ from vip_core.config import VipConfig, tiny
 
 
 @flow(name="vip-ingest")
-def ingest_flow(config: VipConfig = tiny(), url_list: str = "", eval_data: str = "", workdir: str = "") -> dict:
-    """Downloads, filters, deduplicates and decontaminates ``url_list`` into ``<workdir>/ingest-<digest>``.
+def ingest_flow(config: VipConfig = tiny(), url_list: str = "", eval_data: str = "", workdir: str = "",
+                image_folder: str = "") -> dict:
+    """Downloads (or reads), filters, deduplicates and decontaminates the private images into
+    ``<workdir>/ingest-<digest>``.
 
     Args:
         config: ``config.data.ingest`` drives this stage.
         url_list: a LAION-format parquet, csv or jsonl file of image URLs.
-        eval_data: the evaluation data, whose images are removed from the web images; empty: none.
+        eval_data: the evaluation data, whose images are removed from the private ones; empty: none.
         workdir: empty: ``$VIP_HOME/runs/<config.name>``.
+        image_folder: a folder or fsspec URL of image files, read instead of ``url_list``.
     """
-    with stage_graph("vip-ingest", config, url_list=url_list, eval_data=eval_data, workdir=workdir) as graph:
+    with stage_graph("vip-ingest", config, url_list=url_list, eval_data=eval_data, workdir=workdir,
+                     image_folder=image_folder) as graph:
         return log_stage_result(graph, "ingest", graph.ingest().result())

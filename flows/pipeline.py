@@ -29,7 +29,7 @@ FLOW_NAME = "vip-pipeline"
 @flow(name=FLOW_NAME, task_runner=ThreadPoolTaskRunner(max_workers=EVAL_THREADS))
 def vip_pipeline(
     config: VipConfig = tiny(), url_list: str = "", eval_data: str = "", workdir: str = "",
-    audit_canaries: int = AUDIT_CANARIES, audit_delta: float = AUDIT_DELTA,
+    audit_canaries: int = AUDIT_CANARIES, audit_delta: float = AUDIT_DELTA, image_folder: str = "",
 ) -> dict:
     """The whole ViP pipeline on one config.
 
@@ -42,8 +42,10 @@ def vip_pipeline(
         audit_canaries: canaries of the privacy audit run beside the evaluations; 0: no audit.
         audit_delta: the δ the audit's recipe is calibrated at (its bound loses power as 2·canaries·δ grows,
             so a small one rather than 1/(2N) of a small data set).
+        image_folder: a folder or fsspec URL of image files: the private pre-training data instead of ``url_list``.
     """
-    with stage_graph(FLOW_NAME, config, url_list=url_list, eval_data=eval_data, workdir=workdir) as graph:
+    with stage_graph(FLOW_NAME, config, url_list=url_list, eval_data=eval_data, workdir=workdir,
+                     image_folder=image_folder) as graph:
         graph.pretrain_dp().wait()  # the audit starts after the training stages, beside the evaluations
         audited = graph.audit(audit_canaries, audit_delta) if audit_canaries else None
         registered = graph.register_encoder()

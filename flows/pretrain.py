@@ -23,7 +23,8 @@ def pretrain_syn_flow(config: VipConfig = tiny(), workdir: str = "") -> dict:
 
 
 @flow(name="vip-pretrain-dp")
-def pretrain_dp_flow(config: VipConfig = tiny(), url_list: str = "", eval_data: str = "", workdir: str = "") -> dict:
+def pretrain_dp_flow(config: VipConfig = tiny(), url_list: str = "", eval_data: str = "", workdir: str = "",
+                     image_folder: str = "") -> dict:
     """Private MAE pre-training with DP-AdamW on the ingested web images, from the synthetic stage's weights
     (ingesting, rendering and pre-training on synthetic images first if needed); ε is logged at every step.
 
@@ -32,8 +33,10 @@ def pretrain_dp_flow(config: VipConfig = tiny(), url_list: str = "", eval_data: 
         url_list: the private pre-training data: a LAION-format url list.
         eval_data: the evaluation data the web images are decontaminated against.
         workdir: empty: ``$VIP_HOME/runs/<config.name>``; the checkpoint goes to ``<workdir>/pretrain-dp-<digest>``.
+        image_folder: a folder or fsspec URL of image files: the private data instead of ``url_list``.
     """
-    with stage_graph("vip-pretrain-dp", config, url_list=url_list, eval_data=eval_data, workdir=workdir) as graph:
+    with stage_graph("vip-pretrain-dp", config, url_list=url_list, eval_data=eval_data, workdir=workdir,
+                     image_folder=image_folder) as graph:
         result = log_stage_result(graph, "pretrain-dp", graph.pretrain_dp().result())
         tracking.copy_history(result["mlflow_run_id"], graph.parent_run_id, "privacy/epsilon")
         return result

@@ -36,12 +36,17 @@ def _options(stage: Any, retries: int, retry_delay_seconds: float) -> dict[str, 
 
 
 @task(name="ingest", task_run_name="ingest", **_options("ingest", retries=2, retry_delay_seconds=10))
-def ingest(config: VipConfig, url_list: str, output: str, eval_images: str | None, parent_run_id: str | None) -> dict:
-    """Web images: download the url list, filter, deduplicate, decontaminate against ``eval_images``."""
-    from tasks.stages.ingest import run_ingest
+def ingest(config: VipConfig, url_list: str, output: str, eval_images: str | None, parent_run_id: str | None,
+           image_folder: str = "") -> dict:
+    """The private images: download the url list (or read the image folder), filter, deduplicate, decontaminate
+    against ``eval_images``."""
+    from tasks.stages.ingest import run_ingest, run_ingest_images
 
     with tracking.stage_run(parent_run_id, "ingest", config) as run_id:
-        stats = run_ingest(config, url_list, output, eval_images=eval_images)
+        if image_folder:
+            stats = run_ingest_images(config, image_folder, output, eval_images=eval_images)
+        else:
+            stats = run_ingest(config, url_list, output, eval_images=eval_images)
         tracking.log_result(run_id, "ingest", stats)
     return stats
 

@@ -40,17 +40,19 @@ PROGRESS_LOGGERS = "tasks,vip_core,flows"
 
 @contextlib.contextmanager
 def flow_inputs(config: VipConfig, wanted: set[str], *, url_list: str = "", eval_data: str = "",
-                web_port: int = WEB_PORT, images: int = WEB_IMAGES) -> Iterator[dict[str, str]]:
-    """The inputs a flow takes (``wanted`` of ``url_list``, ``eval_data``): the given ones, else the demo's.
+                image_folder: str = "", web_port: int = WEB_PORT, images: int = WEB_IMAGES) -> Iterator[dict[str, str]]:
+    """The inputs a flow takes (``wanted`` of ``url_list``, ``eval_data``, ``image_folder``): the given ones, else
+    the demo's.
 
     The demo's evaluation sets are made once under ``$VIP_HOME/demo/eval``; its sample web is served for the
-    block, and its url list written once, only when the flow reads a url list and none is given.
+    block, and its url list written once, only when the flow reads a url list and neither one nor an image folder
+    is given.
     """
     demo = state_paths()["home"] / "demo"
-    inputs = {}
+    inputs = {"image_folder": image_folder} if image_folder else {}
     if "eval_data" in wanted:
         inputs["eval_data"] = eval_data or _demo_eval_data(demo / "eval", config.model.img_size)
-    if "url_list" not in wanted or url_list:
+    if "url_list" not in wanted or url_list or image_folder:
         yield {**inputs, **({"url_list": url_list} if url_list else {})}
         return
     from tasks.fixtures.web import serving, write_sample_url_list
@@ -70,14 +72,16 @@ def run_target(target: str, config: VipConfig, **options: Any) -> Any:
         target: ``run`` or a stage name.
         config: the run's configuration.
         options: the flow's other parameters (``checkpoint``, ``audit_canaries``, ...) and :func:`flow_inputs`'
-            options (``url_list``, ``eval_data``, ``web_port``, ``images``); each flow takes those it declares.
+            options (``url_list``, ``eval_data``, ``image_folder``, ``web_port``, ``images``); each flow takes those
+            it declares.
     """
     from flows.app.progress import TrainingProgress
     from flows.targets import FLOWS
 
     flow = FLOWS[target]
     accepted = set(inspect.signature(flow.fn).parameters)
-    input_options = {key: options.pop(key) for key in ("url_list", "eval_data", "web_port", "images") if key in options}
+    input_options = {key: options.pop(key) for key in ("url_list", "eval_data", "image_folder", "web_port", "images")
+                     if key in options}
     with flow_inputs(config, accepted, **input_options) as inputs, TrainingProgress():
         parameters = {key: value for key, value in {**options, **inputs}.items() if key in accepted and value != ""}
         return flow(config=config, **parameters, return_state=True)
@@ -130,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--preset", default="tiny", help="the config preset (default: tiny)")
     add_config_sources(parser)
     parser.add_argument("--url-list", default="", help="a LAION-format url list (default: the sample web's)")
+    parser.add_argument("--input", default="", help="a folder or fsspec URL of image files, read instead of a url list")
     parser.add_argument("--eval-data", default="", help="the evaluation sets' folder or fsspec URL (default: the offline ones)")
     parser.add_argument("--checkpoint", default="", help="eval: this checkpoint instead of the pipeline's encoder")
     parser.add_argument("--eval-tasks", default="", help="eval: these tasks (space-separated) instead of the preset's")
@@ -149,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     prepare_console()
     started = time.perf_counter()
     state = run_target(args.target, config, url_list=args.url_list, eval_data=args.eval_data,
-                       checkpoint=args.checkpoint, web_port=args.web_port, images=args.images)
+                       image_folder=args.input, checkpoint=args.checkpoint, web_port=args.web_port, images=args.images)
     print(report(args.target, state, time.perf_counter() - started), flush=True)
     return 0 if state.is_completed() else 1
 
