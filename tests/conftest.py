@@ -114,3 +114,49 @@ def damaged_shards(tmp_path_factory):
             jpeg = encode_image(Image.fromarray(pixels), "jpg")
             writer.write(f"{index:05d}", {"jpg": DAMAGES[where[index]](jpeg) if index in where else jpeg})
     return folder, {f"{index:05d}.jpg": f"web-{index // 32:06d}.tar" for index in where}
+
+
+@pytest.fixture(scope="session")
+def own_images(tmp_path_factory):
+    """A researcher's folder of photographs, nested, with every case ``vip shards`` must handle, its evaluation
+    data and what ingesting it must give: ``{"folder", "eval_data", "stats", "kept", "duplicates"}`` (``kept``: the
+    paths kept; ``duplicates``: each removed copy's path and the kept path it repeats)."""
+    from PIL import Image
+
+    from tasks.fixtures.web import distinct_photo_indices, near_duplicate_bytes, photo_bytes, sample_photo
+
+    root = tmp_path_factory.mktemp("own-images")
+    folder, eval_data = root / "photos", root / "eval"
+    first, second, third, fourth, fifth, evaluated = distinct_photo_indices(6)
+    files = {
+        "2023/beach/IMG_0001.jpg": photo_bytes(first),
+        "2023/IMG_0002.jpg": photo_bytes(second),
+        "2024/family/IMG_0003.jpg": photo_bytes(third),
+        "2024/family/party/IMG_0003-small.jpg": near_duplicate_bytes(photo_bytes(third)),
+        "2024/backup/IMG_0001.jpg": photo_bytes(first),
+        "2024/IMG_0005.jpg": photo_bytes(fifth),
+        "2024/zoo/IMG_0006.jpg": photo_bytes(evaluated),
+        "broken.jpg": photo_bytes(second)[:900],
+        "garbage.jpg": bytes(range(256)) * 4,
+        "notes.txt": b"shopping list: film, batteries\n",
+        ".DS_Store": b"\x00\x00\x00\x01Bud1",
+        ".thumbnails/IMG_0002.jpg": photo_bytes(second),
+    }
+    for name, body in files.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(body)
+    sample_photo(fourth).save(folder / "2024" / "IMG_0004.png")
+    Image.new("RGB", (8, 8), "red").save(folder / "icon.png")
+    (folder / "moved-away.jpg").symlink_to(folder / "nowhere.jpg")
+    evaluated_copy = sample_photo(evaluated)
+    (eval_data / "classification" / "val" / "zoo").mkdir(parents=True)
+    evaluated_copy.resize((evaluated_copy.width * 9 // 10, evaluated_copy.height * 9 // 10)).save(
+        eval_data / "classification" / "val" / "zoo" / "copy.png")
+    stats = {"input": 13, "downloaded": 9,
+             "failed": {"corrupt": 1, "not_an_image": 1, "truncated": 1, "unreadable": 1},
+             "filtered": {"min_side": 1}, "duplicates": 2, "decontaminated": 1, "kept": 5}
+    kept = {"2023/IMG_0002.jpg", "2023/beach/IMG_0001.jpg", "2024/IMG_0004.png", "2024/IMG_0005.jpg",
+            "2024/family/IMG_0003.jpg"}
+    duplicates = {"2024/backup/IMG_0001.jpg": "2023/beach/IMG_0001.jpg",
+                  "2024/family/party/IMG_0003-small.jpg": "2024/family/IMG_0003.jpg"}
+    return {"folder": folder, "eval_data": eval_data, "stats": stats, "kept": kept, "duplicates": duplicates}
