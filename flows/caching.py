@@ -9,8 +9,8 @@ a folder: shards, ``checkpoint.pt``, the class folders of an ImageFolder; for an
 same config and unchanged inputs finds every finished stage in Prefect's result store and skips it; a
 changed slice or a rewritten input runs the stage again.
 
-The output folder of a stage is named after the same slice and its input paths, a URL with its listing
-(``ingest-1a2b3c4d``), so a run with other settings or data never writes into the folder of a finished one.
+The output folder of a stage is named after the same slice and its input paths, a URL with its listing and an
+image folder with every file below it (``ingest-1a2b3c4d``), so a run with other settings or data never writes into the folder of a finished one.
 :func:`stage_folders` names every stage's folder for one config and one set of inputs: the pipeline and each
 stage's own flow use it, so they share their folders and their cache keys.
 """
