@@ -100,6 +100,15 @@ def test_a_run_killed_while_judging_resumes_to_the_same_shards(own_images, writt
     assert resumed == sorted(own_images["kept"])
 
 
+def test_ray_tasks_give_the_same_shards_and_counts(own_images, written, tmp_path):
+    output, _ = written
+    stats = _stats(_shards("--input", str(own_images["folder"]), "--output", str(tmp_path / "out"),
+                           "--eval-data", str(own_images["eval_data"]), "--distributor", "ray"))
+    assert stats == own_images["stats"]
+    assert [path.read_bytes() for path in list_shards(tmp_path / "out", "web")] == [
+        path.read_bytes() for path in list_shards(output, "web")]
+
+
 def test_images_in_a_bucket_give_the_same_shards(own_images, s3, tmp_path):
     s3.mkdir("own-images")
     for path in own_images["folder"].rglob("*"):
