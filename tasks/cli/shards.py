@@ -11,8 +11,8 @@ from tasks.cli.options import add_command, add_config_flags, add_preset, config_
 from vip_core.config import DISTRIBUTORS
 
 # The ingestion flags that apply to image files (the others set img2dataset's downloads).
-INPUT_FLAGS = {flag: INGEST_FLAGS[flag] for flag in ("--image-size", "--samples-per-shard", "--min-side",
-                                                      "--rows-per-partition")}
+INPUT_FLAGS = {**{flag: INGEST_FLAGS[flag] for flag in ("--image-size", "--min-side", "--rows-per-partition")},
+               "--samples-per-shard": ("data.ingest.samples_per_shard", int, "input files per shard")}
 
 
 def register(subparsers: Any) -> None:
