@@ -265,9 +265,12 @@ class _WatchConversions(TorchFunctionMode):
         operands = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
         sources = [self.sources[id(a)][0] for a in operands if id(a) in self.sources and self.sources[id(a)][1] is a]
         name = _function_name(func)
-        if (not sources or not isinstance(out, torch.Tensor) or out.dim() == 0 or out.shape[0] != self.batch
-                or name in _MOVES_DIM0):
+        written = args[0] if name == "__setitem__" else out  # ``buf[:] = pixels`` fills ``buf``, returns None
+        if (not sources or not isinstance(written, torch.Tensor) or written.dim() == 0
+                or written.shape[0] != self.batch
+                or (name in _MOVES_DIMS and not _keeps_dim0(func, args, kwargs or {}))):
             return out
+        out = written
         if not (out.is_floating_point() or out.is_complex()):
             self.sources[id(out)] = (sources[0], out)  # still integer: follow it
             return out
@@ -285,10 +288,18 @@ class _WatchConversions(TorchFunctionMode):
         return sorted({name for name, _ in self.sources.values()} - self.watched)
 
 
-# Operations whose result's dim 0 is not the operand's: an integer tensor that comes out of them with as many rows as
-# the batch does so by coincidence, not by holding the samples.
-_MOVES_DIM0 = frozenset({"T", "mT", "H", "mH", "t", "transpose", "permute", "movedim", "moveaxis", "swapaxes",
+# Operations that reorder their operand's dims: their result holds the samples on dim 0 only where dim 0 stayed
+# in place (``pixels.permute(0, 3, 1, 2)`` does; ``pixels.T`` of a square batch does not, whatever its shape says).
+_MOVES_DIMS = frozenset({"T", "mT", "H", "mH", "t", "transpose", "permute", "movedim", "moveaxis", "swapaxes",
                          "swapdims"})
+
+
+def _keeps_dim0(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether ``func`` leaves its operand's dim 0 as its result's dim 0: the same call on a shapeless (meta) tensor
+    of distinct sizes 2, 3, 4, ... shows where each dim went."""
+    operand = args[0]
+    probe = torch.empty(tuple(range(2, 2 + operand.dim())), device="meta")
+    return func(probe, *args[1:], **kwargs).shape[0] == 2
 
 
 def _function_name(func: Any) -> str:
