@@ -20,7 +20,8 @@ from vip_core.config import ModelConfig, TrainingConfig, VipConfig
 
 CPU_DEMO_LIMIT_S = 2 * 3600.0
 
-# Measured rates (the commands and machines are in docs/scaling.md, docs/rendering.md and docs/ingestion.md).
+# Measured rates: the commands, machines and runs are in docs/performance.md, docs/scaling.md (the paper's run),
+# docs/rendering.md and CHANGELOG.md (the CPU's ViP-Base step, measured on 4 December 2026).
 MEASURED = {
     # `vip bench dp-step --preset vip-base --img-size 224 --batch 4 --threads 2`, 2-core AVX-512 EPYC: DP images/s,
     # and DP / non-private step time; the fixed cost of a step: an MAE of the tiny preset's size at batch 64,
