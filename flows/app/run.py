@@ -207,7 +207,8 @@ def run_flow_supervised(name: str, module_argv: list[str], kept: Callable[[], st
     When stopped, the flow run (noted by :func:`noting_flow_run`) and its open task runs are marked Cancelled while
     the server still runs, and ``kept()`` is the line printed.
     """
-    flow_run_file = Path(tempfile.mkdtemp(prefix="vip-flow-run-")) / "id"
+    notes = tempfile.TemporaryDirectory(prefix="vip-flow-run-")
+    flow_run_file = Path(notes.name) / "id"
     os.environ[FLOW_RUN_FILE_ENV] = str(flow_run_file)
 
     def stopped() -> str:
@@ -216,7 +217,7 @@ def run_flow_supervised(name: str, module_argv: list[str], kept: Callable[[], st
         return kept()
 
     try:
-        with prefect_server_for_run() as server_pids:
+        with notes, prefect_server_for_run() as server_pids:
             return run_supervised([sys.executable, "-m", *module_argv], stopped=stopped, spare=server_pids)
     except KeyboardInterrupt:  # while the Prefect server was starting: nothing was done
         print(f"\n[vip] {name}: stopped before the flow started; nothing was done", flush=True)
@@ -277,7 +278,7 @@ def prefect_server_for_run() -> Iterator[list[int]]:
         return
     server = start_prefect_server(port=free_port())
     os.environ["PREFECT_API_URL"] = f"{server.url}/api"
-    os.environ["PREFECT_UI_URL"] = prefect_url()  # links to the run: make ui's server, which shows it later
+    os.environ.setdefault("PREFECT_UI_URL", prefect_url())  # links to the run: make ui's server, which shows it later
     say(f"a temporary Prefect server at {server.url}, stopped after the flow")
     try:
         yield [server.process.pid]
