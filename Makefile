@@ -45,16 +45,18 @@ run: setup
 # in tasks/runtime/names.py. Options: URL_LIST=laion.parquet (default: the sample web), INPUT=folder or fsspec URL
 # of your own image files (read instead of a url list: docs/own-images.md), EVAL_DATA=folder or fsspec
 # URL (s3://bucket/eval) with classification/ coco/ ade20k/ (default: the offline sets), CHECKPOINT=file or folder (eval: evaluate it instead
-# of the pipeline's encoder), EVAL_TASKS="linprobe coco" (eval: these tasks only).
+# of the pipeline's encoder), EVAL_TASKS="linprobe coco" (eval: these tasks only), YES=1 (start a run far beyond a CPU
+# demo on a machine without a GPU without asking; docs/pipeline.md).
 STAGES := $(shell $(PYTHON) -m tasks.runtime.names)
 URL_LIST ?=
 INPUT ?=
 EVAL_DATA ?=
 CHECKPOINT ?=
 EVAL_TASKS ?=
+YES ?=
 FLOW_OPTIONS = $(CONFIG_OPTIONS) $(if $(URL_LIST),--url-list $(URL_LIST)) $(if $(INPUT),--input $(INPUT)) \
     $(if $(EVAL_DATA),--eval-data $(EVAL_DATA)) \
-    $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) $(if $(EVAL_TASKS),--eval-tasks "$(EVAL_TASKS)")
+    $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) $(if $(EVAL_TASKS),--eval-tasks "$(EVAL_TASKS)") $(if $(YES),--yes)
 
 $(STAGES): setup
 	$(PY) -m flows.app.run $@ $(FLOW_OPTIONS)

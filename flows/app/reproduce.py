@@ -1,6 +1,8 @@
 """``make reproduce [FULL=1]``: the flow vip-reproduce on local Prefect, Ray and MLflow, then its results printed.
 
-The table, each finding's verdict, the plot's path and the wall clock, for the person at the terminal.
+The table, each finding's verdict, the plot's path and the wall clock, for the person at the terminal. The flow
+runs supervised, as ``make run``'s (:func:`flows.app.run.supervise`): Ctrl-C stops it and everything it started,
+then the temporary Prefect server, and one line says what was kept.
 """
 
 from __future__ import annotations
@@ -8,8 +10,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
-from tasks.runtime.environment import configure_environment
+from tasks.runtime.environment import configure_environment, state_paths
+from tasks.runtime.stopping import is_supervised
 from vip_core.reproduce import EXPERIMENTS
 
 
@@ -23,13 +27,16 @@ def summary(result: dict, seconds: float) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="python -m flows.app.reproduce", description=__doc__.splitlines()[0])
     parser.add_argument("--experiment", choices=sorted(EXPERIMENTS), default="default",
                         help="default: 42 min measured here; full: the longer recipe; smoke: minutes, for tests")
     parser.add_argument("--workdir", default="", help="default: $VIP_HOME/runs/<experiment name>")
     args = parser.parse_args(argv)
     configure_environment()
-    from flows.app.run import prepare_console, say, stage_states
+    if not is_supervised():
+        return supervise(args, argv)
+    from flows.app.run import noting_flow_run, prepare_console, say, stage_states
 
     prepare_console()  # before Prefect is imported: it reads its settings then
     from flows.app.progress import TrainingProgress
@@ -39,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     say(f"experiment {experiment.name}: seeds {list(experiment.seeds)}, arms {', '.join(experiment.arms)}")
     started = time.perf_counter()
     with TrainingProgress(interval_s=30):
-        state = reproduce_flow(experiment=experiment, workdir=args.workdir, return_state=True)
+        state = noting_flow_run(reproduce_flow)(experiment=experiment, workdir=args.workdir, return_state=True)
     seconds = time.perf_counter() - started
     print(f"\nmake reproduce: {state.name} in {seconds / 60:.1f} min")
     for name, task_state in stage_states(state):
@@ -49,6 +56,20 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print("\n".join(summary(state.result(), seconds)), flush=True)
     return 0
+
+
+def supervise(args: argparse.Namespace, argv: list[str]) -> int:
+    """The experiment in a supervised child (:func:`flows.app.run.run_flow_supervised`); returns the exit status."""
+    from flows.app.run import run_flow_supervised
+
+    workdir = Path(args.workdir) if args.workdir else state_paths()["runs"] / EXPERIMENTS[args.experiment]().name
+
+    def kept() -> str:
+        finished = len(list(workdir.rglob("result.json")))
+        return (f"[vip] make reproduce: stopped. Kept in {workdir}: {finished} finished stage folders. To resume, run "
+                "the same command again: finished stages are Cached, pre-training goes on from its last checkpoint.")
+
+    return run_flow_supervised("make reproduce", ["flows.app.reproduce", *argv], kept)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,11 @@
    step, loss and ε as they go.
 3. The state of each stage (Completed, Cached) and, for ``make run``, the results table and where to look.
 
+Before the flow starts, one line sizes its work (:mod:`tasks.runtime.sizing`); a run far beyond a CPU demo on a
+machine without a GPU asks for confirmation (``--yes``, ``make ... YES=1``). The flow runs supervised
+(:mod:`tasks.runtime.stopping`): Ctrl-C stops it and everything it started within seconds, then the temporary
+Prefect server, and one line says what was kept and how to resume.
+
 Every target names its stages' folders and cache keys as the pipeline does, so what one target did is
 Cached in the others. The sample web is served on a fixed port (``--web-port``), so the url list, and with
 it the ingestion stage, stays the same from one run to the next.
@@ -21,17 +26,30 @@ import argparse
 import contextlib
 import inspect
 import os
+import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
+from flows.app.servers import cancel_flow_run
 from tasks.cli.options import add_config_sources, config_from
 from tasks.runtime.environment import configure_environment, state_paths
+from tasks.runtime.folders import RESULT_FILE
 from tasks.runtime.names import STAGES
+from tasks.runtime.sizing import confirm, size_run, url_list_rows
+from tasks.runtime.stopping import INTERRUPTED, is_supervised, kept_work, run_supervised
 from vip_core.config import VipConfig
 
 TARGETS = ("run", *STAGES)
+PIPELINE_STAGES = ("ingest", "render", "pretrain-syn", "pretrain-dp")
+# The training-side stages each target's flow runs (unless finished): its own and those it reads.
+TARGET_STAGES = {"run": PIPELINE_STAGES, "ingest": ("ingest",), "render": ("render",),
+                 "pretrain-syn": ("render", "pretrain-syn"), "pretrain-dp": PIPELINE_STAGES, "eval": PIPELINE_STAGES,
+                 "audit": ()}
+FLOW_RUN_FILE_ENV = "VIP_FLOW_RUN_FILE"
+STOPPED_MESSAGE = "stopped (Ctrl-C); the same command resumes it"
 WEB_PORT = 8765
 WEB_IMAGES = 320
 SHAPE_SCENES = 160
@@ -48,21 +66,29 @@ def flow_inputs(config: VipConfig, wanted: set[str], *, url_list: str = "", eval
     block, and its url list written once, only when the flow reads a url list and neither one nor an image folder
     is given.
     """
-    demo = state_paths()["home"] / "demo"
+    demo = demo_inputs(web_port)
     inputs = {"image_folder": image_folder} if image_folder else {}
     if "eval_data" in wanted:
-        inputs["eval_data"] = eval_data or _demo_eval_data(demo / "eval", config.model.img_size)
+        inputs["eval_data"] = eval_data or _demo_eval_data(Path(demo["eval_data"]), config.model.img_size)
     if "url_list" not in wanted or url_list or image_folder:
         yield {**inputs, **({"url_list": url_list} if url_list else {})}
         return
     from tasks.fixtures.web import serving, write_sample_url_list
 
-    with serving(demo / "web", web_port) as base_url:
-        path = demo / f"urls-{web_port}.parquet"
+    with serving(Path(demo["web"]), web_port) as base_url:
+        path = Path(demo["url_list"])
         if not path.exists():
             write_sample_url_list(path, base_url, images)
         say(f"web sample served at {base_url}; url list {path}")
         yield {**inputs, "url_list": str(path)}
+
+
+def demo_inputs(web_port: int = WEB_PORT) -> dict[str, str]:
+    """Where the demo's inputs live under ``$VIP_HOME/demo``: ``eval_data``, ``url_list`` (of the sample web on
+    ``web_port``) and ``web`` (its photographs)."""
+    demo = state_paths()["home"] / "demo"
+    return {"eval_data": str(demo / "eval"), "url_list": str(demo / f"urls-{web_port}.parquet"),
+            "web": str(demo / "web")}
 
 
 def run_target(target: str, config: VipConfig, **options: Any) -> Any:
@@ -78,7 +104,7 @@ def run_target(target: str, config: VipConfig, **options: Any) -> Any:
     from flows.app.progress import TrainingProgress
     from flows.targets import FLOWS
 
-    flow = FLOWS[target]
+    flow = noting_flow_run(FLOWS[target])
     accepted = set(inspect.signature(flow.fn).parameters)
     input_options = {key: options.pop(key) for key in ("url_list", "eval_data", "image_folder", "web_port", "images")
                      if key in options}
@@ -119,7 +145,8 @@ def report(target: str, flow_state: Any, seconds: float) -> str:
         lines += [*results.evaluation_table(result), ""]
     else:
         lines += [f"  {target}: {results.one_line(result)}", ""]
-    prefect_base = os.environ.get("PREFECT_API_URL", f"{prefect_url()}/api").removesuffix("/api")
+    prefect_base = (os.environ.get("PREFECT_UI_URL")
+                    or os.environ.get("PREFECT_API_URL", f"{prefect_url()}/api").removesuffix("/api"))
     lines += ["Where to look (start the servers with `make ui` if they are not running):",
               f"  Prefect flow run: {prefect_base}/runs/flow-run/{flow_state.state_details.flow_run_id}"]
     if target == "run" and result is not None:
@@ -140,10 +167,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--eval-tasks", default="", help="eval: these tasks (space-separated) instead of the preset's")
     parser.add_argument("--web-port", type=int, default=WEB_PORT, help="the sample web's port on 127.0.0.1")
     parser.add_argument("--images", type=int, default=WEB_IMAGES, help="photographs in the sample web")
+    parser.add_argument("--yes", action="store_true",
+                        help="start a run far beyond a CPU demo without a GPU without asking (make: YES=1)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     configure_environment()
     try:
@@ -151,12 +181,120 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"make {args.target}: error: {error}", file=sys.stderr)
         return 2
+    if is_supervised():
+        return run_here(args, config)
+    return supervise(args, config, argv)
+
+
+def supervise(args: argparse.Namespace, config: VipConfig, argv: list[str]) -> int:
+    """The size line, the confirmation, then the flow in a supervised child (:mod:`tasks.runtime.stopping`)
+    served by a Prefect server that outlives it; returns the exit status."""
+    folders = target_folders(args, config)
+    size = size_run(config, tuple(folders), ingest_rows=_ingest_rows(args),
+                    done={stage for stage, folder in folders.items() if is_finished(folder)})
+    say(size.line())
+    refusal = confirm(size, yes=args.yes, flag="--yes (make: YES=1)")
+    if refusal:
+        print(f"make {args.target}: {refusal}", file=sys.stderr)
+        return 2
+    return run_flow_supervised(f"make {args.target}", ["flows.app.run", *argv], lambda: kept_line(args.target, folders))
+
+
+def run_flow_supervised(name: str, module_argv: list[str], kept: Callable[[], str]) -> int:
+    """``python -m *module_argv`` (a command that runs a flow) in a supervised child (:mod:`tasks.runtime.stopping`),
+    served by a Prefect server that outlives it; returns the exit status.
+
+    When stopped, the flow run (noted by :func:`noting_flow_run`) and its open task runs are marked Cancelled while
+    the server still runs, and ``kept()`` is the line printed.
+    """
+    notes = tempfile.TemporaryDirectory(prefix="vip-flow-run-")
+    flow_run_file = Path(notes.name) / "id"
+    os.environ[FLOW_RUN_FILE_ENV] = str(flow_run_file)
+
+    def stopped() -> str:
+        if flow_run_file.is_file():
+            cancel_flow_run(os.environ["PREFECT_API_URL"], flow_run_file.read_text(), STOPPED_MESSAGE)
+        return kept()
+
+    try:
+        with notes, prefect_server_for_run() as server_pids:
+            return run_supervised([sys.executable, "-m", *module_argv], stopped=stopped, spare=server_pids)
+    except KeyboardInterrupt:  # while the Prefect server was starting: nothing was done
+        print(f"\n[vip] {name}: stopped before the flow started; nothing was done", flush=True)
+        return INTERRUPTED
+
+
+def run_here(args: argparse.Namespace, config: VipConfig) -> int:
+    """The flow of ``args.target`` in this process, then the report; returns the exit status."""
     prepare_console()
     started = time.perf_counter()
     state = run_target(args.target, config, url_list=args.url_list, eval_data=args.eval_data,
                        image_folder=args.input, checkpoint=args.checkpoint, web_port=args.web_port, images=args.images)
     print(report(args.target, state, time.perf_counter() - started), flush=True)
     return 0 if state.is_completed() else 1
+
+
+def target_folders(args: argparse.Namespace, config: VipConfig) -> dict[str, str]:
+    """The folders of the training-side stages that ``args.target``'s flow runs (each unless finished), by stage:
+    what its run is sized by and what it keeps when stopped. Empty where an input URL lists no file (the flow
+    then says so)."""
+    from flows.caching import default_workdir, stage_folders
+
+    stages = () if args.target == "eval" and args.checkpoint else TARGET_STAGES[args.target]
+    demo = demo_inputs(args.web_port)
+    try:
+        folders = stage_folders(config, default_workdir(config), args.url_list or demo["url_list"],
+                                args.eval_data or demo["eval_data"], image_folder=args.input)
+    except FileNotFoundError:
+        return {}
+    return {stage: folders[stage] for stage in stages}
+
+
+def kept_line(target: str, folders: dict[str, str]) -> str:
+    """The line said when a run is stopped: what its stages kept and how to resume."""
+    finished = [stage for stage, folder in folders.items() if is_finished(folder)]
+    partial = [f"{stage} {kept_work(folder)}" for stage, folder in folders.items()
+               if stage not in finished and kept_work(folder)]
+    kept = "; ".join(([f"{', '.join(finished)} finished"] if finished else []) + partial) or "no finished work"
+    where = f" in {Path(next(iter(folders.values()))).parent}" if folders else ""
+    return (f"[vip] make {target}: stopped. Kept{where}: {kept}. To resume, run the same command again: finished "
+            "stages are Cached, pre-training goes on from its last checkpoint, complete shards are kept.")
+
+
+def is_finished(folder: str) -> bool:
+    """True when a stage's folder holds its final record: ``stats.json`` (ingest, render: written last) or
+    ``result.json`` (pre-training)."""
+    return any((Path(folder) / name).is_file() for name in (RESULT_FILE, "stats.json"))
+
+
+@contextlib.contextmanager
+def prefect_server_for_run() -> Iterator[list[int]]:
+    """``make ui``'s Prefect server (or ``PREFECT_API_URL``'s) when it runs, else a temporary one on the same
+    database in a session of its own, stopped after the flow; yields the process ids to spare while stopping."""
+    from flows.app.servers import free_port, prefect_url, start_prefect_server, stop, use_running_prefect_server
+
+    if use_running_prefect_server():
+        yield []
+        return
+    server = start_prefect_server(port=free_port())
+    os.environ["PREFECT_API_URL"] = f"{server.url}/api"
+    os.environ.setdefault("PREFECT_UI_URL", prefect_url())  # links to the run: make ui's server, which shows it later
+    say(f"a temporary Prefect server at {server.url}, stopped after the flow")
+    try:
+        yield [server.process.pid]
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the flow is over: a Ctrl-C now does not cut this stop short
+        stop(server)
+
+
+def noting_flow_run(flow: Any) -> Any:
+    """The flow, which under :func:`run_flow_supervised` writes its flow run's id where the supervisor looks."""
+    return flow.with_options(on_running=[_note_flow_run]) if os.environ.get(FLOW_RUN_FILE_ENV) else flow
+
+
+def _note_flow_run(flow: Any, flow_run: Any, state: Any) -> None:
+    """Writes the flow run's id where the supervisor looks for it, to mark the run Cancelled when stopped."""
+    Path(os.environ[FLOW_RUN_FILE_ENV]).write_text(str(flow_run.id))
 
 
 def prepare_console() -> None:
@@ -178,6 +316,13 @@ def say(message: str) -> None:
 def target_config(args: argparse.Namespace) -> VipConfig:
     """The flow's config: the preset, ``CONFIG=``'s file, ``EVAL_TASKS=``, then ``SET=``'s settings."""
     return config_from(args, overrides={"evaluation.tasks": args.eval_tasks.split()} if args.eval_tasks else None)
+
+
+def _ingest_rows(args: argparse.Namespace) -> int | None:
+    """The url list's rows or the sample web's photographs; None for an image folder (ingestion counts its files)."""
+    if args.input:
+        return None
+    return url_list_rows(args.url_list) if args.url_list else args.images
 
 
 def _demo_eval_data(root: Path, img_size: int) -> str:

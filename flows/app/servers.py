@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -23,9 +24,10 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 from tasks.runtime.environment import configure_environment, state_paths
+from tasks.runtime.stopping import INTERRUPTED
 
 HOST = "127.0.0.1"
 PREFECT_PORT = 4200
@@ -199,6 +201,26 @@ def _venv_bin(name: str) -> str:
     return str(candidate) if candidate.exists() else name
 
 
+def cancel_flow_run(api_url: str, flow_run_id: str, message: str) -> None:
+    """Marks a flow run whose process was stopped, and its task runs still open, Cancelled (through the REST API, so
+    that the supervisor of a run need not import Prefect); a server that does not answer is left as it is."""
+    open_states = {"state": {"type": {"any_": ["SCHEDULED", "PENDING", "RUNNING"]}}}
+    body = {"state": {"type": "CANCELLED", "name": "Cancelled", "message": message}, "force": True}
+    with contextlib.suppress(OSError, ValueError):
+        tasks = _post(f"{api_url}/task_runs/filter",
+                      {"flow_runs": {"id": {"any_": [flow_run_id]}}, "task_runs": open_states})
+        for task_run in tasks:
+            _post(f"{api_url}/task_runs/{task_run['id']}/set_state", body)
+        _post(f"{api_url}/flow_runs/{flow_run_id}/set_state", body)
+
+
+def _post(url: str, payload: dict) -> Any:
+    request = urllib.request.Request(url, data=json.dumps(payload).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return json.loads(response.read() or b"null")
+
+
 def use_running_prefect_server() -> str | None:
     """Points Prefect at ``make ui``'s server when it runs (the run then shows live); else None.
 
@@ -240,7 +262,9 @@ def serve_ui() -> int:
             print(f"{service.name} server exited; see {service.log_path}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        return 0
+        print("\nStopping the servers; their runs and models stay in their stores (`make ui` serves them again).",
+              flush=True)
+        return INTERRUPTED
     finally:
         for service in reversed(started):
             stop(service)

@@ -5,6 +5,11 @@ parser (with the shared options of ``tasks/cli/options.py``) and a handler ``fun
 A handler parses, calls one stage function and prints one JSON object on stdout where the command
 reports a result. A bad argument or bad input exits with code 2 and one line on stderr that names the
 problem, never a traceback.
+
+Run as a program, the commands that start processes (Ray, renderers, img2dataset) run supervised
+(:mod:`tasks.runtime.stopping`): Ctrl-C stops them and all they started within seconds, with one line saying
+what was kept and how to resume, exit code 130. A command that sizes its work (``sizer``: pretrain, render) says
+so first and asks before a run far beyond a CPU demo on a machine without a GPU (``--yes``).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import sys
 from typing import Any, Sequence
 
 from tasks.runtime.environment import configure_environment
+from tasks.runtime.stopping import INTERRUPTED, is_supervised, kept_work, run_supervised
 
 COMMAND_MODULES = (
     "tasks.cli.config",
@@ -29,6 +35,11 @@ COMMAND_MODULES = (
     "tasks.cli.shards",
     "tasks.cli.export",
 )
+# The commands whose work is in processes of their own; the others stop on Ctrl-C in their own process.
+SUPERVISED_COMMANDS = ("render", "ingest", "eval", "bench", "pretrain", "audit", "shards")
+# How to resume a stopped command, where it is more than running it again.
+RESUME_HINTS = {"pretrain": "the same command with --resume (training goes on from its last checkpoint)",
+                "bench": "nothing to resume: a benchmark starts over"}
 
 
 class UsageError(Exception):
@@ -57,15 +68,45 @@ def print_json(payload: dict[str, Any]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Runs a ``vip`` command; ``argv`` None: the program's own command line, the long commands supervised."""
     configure_environment()
+    as_program = argv is None
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if as_program and args.command in SUPERVISED_COMMANDS and not is_supervised():
+            return _supervise(args, argv)
         code = args.handler(args)
     except (UsageError, ValueError, FileNotFoundError) as error:
         print(f"vip {args.command}: error: {first_line(error)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"\nvip {args.command}: stopped", file=sys.stderr)
+        return INTERRUPTED
     return int(code or 0)
+
+
+def _supervise(args: argparse.Namespace, argv: list[str]) -> int:
+    """The size line and the confirmation where the command sizes its work, then the command in a supervised child."""
+    sizer = getattr(args, "sizer", None)
+    if sizer is not None:
+        from tasks.runtime.sizing import confirm
+
+        size = sizer(args)
+        print(f"vip {args.command}: {size.line()}", file=sys.stderr, flush=True)
+        refusal = confirm(size, yes=args.yes, flag="--yes")
+        if refusal:
+            raise UsageError(refusal)
+    return run_supervised([sys.executable, "-m", "tasks.cli", *argv], stopped=lambda: stopped_line(args))
+
+
+def stopped_line(args: argparse.Namespace) -> str:
+    """What a stopped command kept (in its ``--output``) and how to resume it."""
+    output = getattr(args, "output", None)
+    kept = f" Kept in {output}: {kept_work(output) or 'its complete pieces'}." if output else ""
+    hint = RESUME_HINTS.get(args.command, "the same command again (what was finished is kept)")
+    return f"vip {args.command}: stopped.{kept} To resume: {hint}."
 
 
 def first_line(error: BaseException) -> str:

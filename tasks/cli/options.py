@@ -2,7 +2,8 @@
 
 ``--preset NAME`` (checked against the registry while parsing), ``--output DIR`` (the folder the command
 writes; always explicit: the flows, not the command, name the pipeline's folders), ``--data DIR``,
-``--mlflow-parent RUN_ID`` (record the command's stage as a child run of that MLflow run), ``--json``.
+``--mlflow-parent RUN_ID`` (record the command's stage as a child run of that MLflow run), ``--json``, ``--yes``
+(start a long run without the confirmation, :mod:`tasks.runtime.sizing`).
 A command's config is the preset, then ``--config FILE``, then its flags that override config fields
 (:func:`add_config_flags`), then every ``--set FIELD=VALUE``: :func:`config_from` layers them, the make targets'
 programs too.
@@ -56,6 +57,11 @@ def add_mlflow_parent(parser: argparse.ArgumentParser) -> None:
 
 def add_json(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
+
+
+def add_yes(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--yes", action="store_true",
+                        help="start a run far beyond a CPU demo on a machine without a GPU without asking")
 
 
 def add_config_flags(parser: argparse.ArgumentParser, flags: dict[str, tuple[str, type, str]]) -> None:

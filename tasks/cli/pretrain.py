@@ -10,9 +10,11 @@ import argparse
 from typing import Any
 
 from tasks.cli.options import (
-    add_command, add_config_flags, add_data, add_mlflow_parent, add_output, add_preset, config_from,
+    add_command, add_config_flags, add_data, add_mlflow_parent, add_output, add_preset, add_yes, config_from,
 )
 from tasks.runtime.names import PRETRAIN_STAGES
+from tasks.runtime.sizing import RunSize, size_run
+from vip_core.config import VipConfig
 
 # Flag -> (field of the stage's training config, type, help); ``{stage}`` is synthetic or private.
 STAGE_FLAGS = {
@@ -42,11 +44,22 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--resume", action="store_true", help="continue the run left in --output")
     add_config_flags(parser, STAGE_FLAGS)
     add_mlflow_parent(parser)
+    add_yes(parser)
+    parser.set_defaults(sizer=size_pretrain)
+
+
+def stage_config(args: argparse.Namespace) -> VipConfig:
+    """The command's config, its stage flags applied to ``args.stage``'s training config."""
+    flags = {flag: (field.format(stage=args.stage), kind, text) for flag, (field, kind, text) in STAGE_FLAGS.items()}
+    return config_from(args, flags)
+
+
+def size_pretrain(args: argparse.Namespace) -> RunSize:
+    return size_run(stage_config(args), (PRETRAIN_STAGES[args.stage],), ingest_rows=None)
 
 
 def handle_pretrain(args: argparse.Namespace) -> int:
-    flags = {flag: (field.format(stage=args.stage), kind, text) for flag, (field, kind, text) in STAGE_FLAGS.items()}
-    config = config_from(args, flags)  # before the imports of torch and Ray: a wrong setting fails at once
+    config = stage_config(args)  # before the imports of torch and Ray: a wrong setting fails at once
     from tasks.cli import print_json
     from tasks.stages.pretrain import run_pretrain
     from tasks.runtime import tracking

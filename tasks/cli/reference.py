@@ -35,7 +35,8 @@ result; a bad argument or bad input is one line on stderr (`vip CMD: error: ...`
 The shared options are spelled the same way everywhere (`tasks/cli/options.py`): `--preset NAME` (checked while
 parsing), `--output DIR` (the folder the command writes; required: a command never guesses a folder), `--data DIR`
 (a local folder or an fsspec URL such as `s3://bucket/web`), `--mlflow-parent RUN_ID` (record the stage as a child
-run of that MLflow run), `--json`. An option that overrides a config field keeps the preset's value when left out;
+run of that MLflow run), `--json`, `--yes` (start a run far beyond a CPU demo on a machine without a GPU without
+asking: `docs/pipeline.md`). An option that overrides a config field keeps the preset's value when left out;
 the fields themselves are in [config.md](config.md).
 """
 

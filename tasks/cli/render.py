@@ -6,7 +6,8 @@ import argparse
 import logging
 from typing import Any
 
-from tasks.cli.options import add_command, add_config_flags, add_output, add_preset, config_from
+from tasks.cli.options import add_command, add_config_flags, add_output, add_preset, add_yes, config_from
+from tasks.runtime.sizing import RunSize, size_run
 
 # Flag -> (field of the config, type, help); a flag left out keeps the preset's value.
 RENDER_FLAGS = {
@@ -33,6 +34,12 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--shaders", help="folder of Shadertoy programs: .frag/.glsl GLSL or .json/.fragment "
                         "(Shaders21k) JSON (default: the built-in generator)")
     parser.add_argument("--contact-sheet", metavar="PNG", help="also tile the first 64 images into this PNG")
+    add_yes(parser)
+    parser.set_defaults(sizer=size_render)
+
+
+def size_render(args: argparse.Namespace) -> RunSize:
+    return size_run(config_from(args, RENDER_FLAGS), ("render",), ingest_rows=None)
 
 
 def handle_render(args: argparse.Namespace) -> int:

@@ -1,0 +1,202 @@
+"""Ctrl-C and the confirmation, as a person at a terminal meets them.
+
+Each command starts as a terminal starts it: in a process group of its own (a session here), which gets the SIGINT
+that Ctrl-C sends. Every process the command starts inherits a marker variable; the tests look for any process
+with the marker, or in the session, left running. The ``make run`` and ``vip pretrain`` tests are slow (1 to 2 min
+each here: a run up to its first training checkpoint, then the rerun).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+from flows.app.servers import free_port
+from tasks.runtime.sizing import Devices
+
+ROOT = Path(__file__).resolve().parents[3]
+STOP_WITHIN_S = 30.0
+
+
+class Terminal:
+    """A command started in a session of its own, as a shell starts it, its output collected in a file."""
+
+    def __init__(self, command: list[str], home: Path, log: Path) -> None:
+        self.marker = uuid.uuid4().hex
+        self.log = log
+        env = {**os.environ, "VIP_HOME": str(home), "VIP_TEST_MARKER": self.marker}
+        with open(log, "wb") as output:
+            self.process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=output, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_for(self, text: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while text not in self.output():
+            assert self.process.poll() is None, f"exited {self.process.returncode} before {text!r}:\n{self.output()}"
+            assert time.monotonic() < deadline, f"no {text!r} after {timeout_s:.0f} s:\n{self.output()[-3000:]}"
+            time.sleep(0.5)
+
+    def its_processes(self) -> list[str]:
+        """The processes this command started that are still running (by marker or by session)."""
+        found = []
+        for process in psutil.process_iter(["pid", "name"]):
+            try:
+                if (process.environ().get("VIP_TEST_MARKER") == self.marker
+                        or os.getsid(process.pid) == self.process.pid):
+                    found.append(f"{process.pid} {process.info['name']}")
+            except (psutil.Error, ProcessLookupError):
+                continue
+        return found
+
+    def ctrl_c(self) -> float:
+        """Ctrl-C: SIGINT to the command's process group; returns the seconds until none of its processes is left."""
+        assert self.its_processes(), "nothing running to stop"
+        os.killpg(self.process.pid, signal.SIGINT)
+        started = time.monotonic()
+        while self.its_processes():
+            assert time.monotonic() - started < STOP_WITHIN_S, f"still running: {self.its_processes()}"
+            time.sleep(0.5)
+        self.process.wait(timeout=5)
+        return time.monotonic() - started
+
+
+@pytest.mark.slow
+def test_ctrl_c_on_make_run_stops_every_process_says_what_was_kept_and_the_same_command_resumes(tmp_path):
+    command = [sys.executable, "-m", "flows.app.run", "run", "--preset", "tiny", "--images", "40",
+               "--web-port", str(free_port())]
+    first = Terminal(command, tmp_path / "home", tmp_path / "first.log")
+    first.wait_for("Task run 'render' - Finished in state Completed", timeout_s=600)
+    deadline = time.monotonic() + 300
+    while not list((tmp_path / "home" / "runs" / "tiny").glob("pretrain-syn-*/ray/*/checkpoint_*")):  # Ray trains
+        assert first.process.poll() is None and time.monotonic() < deadline, first.output()
+        time.sleep(0.5)
+    first.ctrl_c()
+    output = first.output()
+    assert first.process.returncode == 130
+    stopped = [line for line in output.splitlines() if "make run: stopped." in line]
+    assert len(stopped) == 1 and "render finished" in stopped[0] and "pretrain-syn" in stopped[0], output
+    assert "run the same command again" in stopped[0]
+    assert "Traceback" not in output and output.rstrip().endswith(stopped[0]), output
+
+    again = Terminal(command, tmp_path / "home", tmp_path / "again.log")
+    again.wait_for("Task run 'render' - Finished in state Cached", timeout_s=300)
+    assert "size: " in again.output() and "render done" in again.output()
+    again.ctrl_c()
+    assert again.process.returncode == 130 and "Traceback" not in again.output()
+
+
+def test_ctrl_c_on_vip_render_stops_its_renderers_and_names_the_shards_kept(tmp_path):
+    output = tmp_path / "shards"
+    render = Terminal([sys.executable, "-m", "tasks.cli", "render", "--preset", "tiny", "--num-images", "100000",
+                       "--samples-per-shard", "16", "--workers", "2", "--output", str(output)],
+                      tmp_path / "home", tmp_path / "render.log")
+    deadline = time.monotonic() + 300
+    while not list(output.glob("*.tar")):
+        assert render.process.poll() is None and time.monotonic() < deadline, render.output()
+        time.sleep(0.5)
+    render.ctrl_c()
+    text = render.output()
+    assert render.process.returncode == 130, text
+    assert f"vip render: stopped. Kept in {output}: " in text and " shards." in text, text
+    assert "Traceback" not in text and "Warning" not in text, text
+
+
+@pytest.mark.skipif(Devices.here().gpus > 0, reason="the confirmation is for machines without a GPU")
+def test_make_run_of_a_paper_preset_without_a_gpu_stops_at_the_confirmation(tmp_path):
+    """``make run PRESET=vip-base`` (with the test's interpreter, the environment as it is) asks, and with no
+    terminal to answer stops in one line naming YES=1; nothing is started."""
+    result = subprocess.run(["make", "-s", "-o", "setup", "run", "PRESET=vip-base", f"PY={sys.executable}"],
+                            cwd=ROOT, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120,
+                            env={**os.environ, "VIP_HOME": str(tmp_path / "home")})
+    assert result.returncode != 0
+    assert "size: render 1,050,000 images at 256 px" in result.stdout
+    refusal = [line for line in result.stderr.splitlines() if "not started" in line]
+    assert len(refusal) == 1 and "YES=1" in refusal[0] and "--yes" in refusal[0], result.stderr
+    assert not (tmp_path / "home" / "runs").exists()
+
+
+@pytest.mark.skipif(Devices.here().gpus > 0, reason="the confirmation is for machines without a GPU")
+@pytest.mark.parametrize("answer, started", [("n", False), ("y", True)])
+def test_at_a_terminal_a_paper_preset_asks_and_the_answer_decides(tmp_path, answer, started):
+    """The question on a terminal (a pseudo-terminal here); "y" starts the run (stopped by the test as soon as it
+    names its Prefect server), anything else does not."""
+    import pty
+
+    controller, terminal = pty.openpty()
+    process = subprocess.Popen([sys.executable, "-m", "flows.app.run", "run", "--preset", "vip-base"], cwd=ROOT,
+                               stdin=terminal, stdout=terminal, stderr=terminal, start_new_session=True,
+                               env={**os.environ, "VIP_HOME": str(tmp_path / "home"), "PREFECT_API_URL": ""})
+    os.close(terminal)
+    shown = _read_until(controller, "Start it anyway? [y/N]")
+    assert "size: render 1,050,000 images" in shown, shown
+    os.write(controller, f"{answer}\n".encode())
+    shown = _read_until(controller, "Prefect" if started else "not started")
+    if started:
+        os.killpg(process.pid, signal.SIGINT)
+    assert process.wait(timeout=60) == (130 if started else 2), shown
+    os.close(controller)
+
+
+def _read_until(controller: int, text: str, timeout_s: float = 120.0) -> str:
+    import select
+
+    shown, deadline = b"", time.monotonic() + timeout_s
+    while text.encode() not in shown:
+        assert time.monotonic() < deadline, shown.decode(errors="replace")
+        if select.select([controller], [], [], 1.0)[0]:
+            try:
+                shown += os.read(controller, 4096)
+            except OSError:  # the terminal closed: the command exited
+                break
+    assert text.encode() in shown, shown.decode(errors="replace")
+    return shown.decode(errors="replace")
+
+
+@pytest.mark.slow
+def test_ctrl_c_on_vip_pretrain_stops_ray_and_resume_goes_on_from_its_last_checkpoint(tmp_path):
+    import json
+
+    shards, output = _noise_shards(tmp_path / "shards", 96), tmp_path / "pretrain"
+    command = [sys.executable, "-m", "tasks.cli", "pretrain", "--stage", "synthetic", "--preset", "tiny", "--data",
+               str(shards), "--output", str(output), "--steps", "40", "--batch-size", "32", "--checkpoint-every", "2"]
+    first = Terminal(command, tmp_path / "home", tmp_path / "first.log")
+    deadline = time.monotonic() + 300
+    while not list(output.glob("ray/*/checkpoint_*")):
+        assert first.process.poll() is None and time.monotonic() < deadline, first.output()
+        time.sleep(0.5)
+    first.ctrl_c()
+    text = first.output()
+    assert first.process.returncode == 130 and "Traceback" not in text, text
+    assert f"vip pretrain: stopped. Kept in {output}: " in text and " checkpoints. To resume: " in text, text
+    assert "--resume" in text.splitlines()[-1]
+
+    resumed = subprocess.run([*command, "--resume"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                             env={**os.environ, "VIP_HOME": str(tmp_path / "home")})
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    result = json.loads(resumed.stdout.strip().splitlines()[-1])
+    assert result["steps"] == 40 and result["resumes"] >= 1, result
+
+
+def _noise_shards(folder: Path, count: int) -> Path:
+    """``count`` random 32 px PNG images in webdataset shards of 32."""
+    import numpy as np
+    from PIL import Image
+
+    from vip_core.data.shards import ShardWriter, encode_image
+
+    with ShardWriter(folder, prefix="img", samples_per_shard=32) as writer:
+        for index in range(count):
+            pixels = np.random.default_rng(index).integers(0, 255, size=(32, 32, 3), dtype=np.uint8)
+            writer.write(f"{index:05d}", {"png": encode_image(Image.fromarray(pixels), "png")})
+    return folder
