@@ -517,7 +517,9 @@ def _autocast_dtype(device: torch.device) -> torch.dtype | None:
 
 def _add_microbatch(engine: DPEngine, loss_fn: LossFn, inputs: Inputs, real: int, total: ClippedGradientSum) -> None:
     """Adds the clipped per-sample gradients of one microbatch (``real`` of its rows the batch's own) to the
-    buffer."""
+    buffer. On a CPU, a microbatch in which any row is not finite is computed again one sample at a time: oneDNN's
+    bfloat16 matmuls can spread a NaN row into the rows beside it, which would drop other samples for one sample's
+    data. A GPU's kernels keep rows apart, and reading the flag there would stall the host on the device."""
     plan, model = engine.plan, engine.model
     batch = batch_size_of(inputs)
     device = plan.params[0].device if plan.params else torch.device("cpu")
@@ -544,9 +546,16 @@ def _add_microbatch(engine: DPEngine, loss_fn: LossFn, inputs: Inputs, real: int
             # clearing non-finite entries is a pass over every operand: a CPU reads the flag for free, a GPU would
             # wait for it, so it always clears
             sanitize = device.type != "cpu" or bool(non_finite)
-        with record_function("vip.clipped_sum"):
-            total.noise.wait()
-            _spread([functools.partial(add, factors, sanitize) for _, add in sums], [w for w, _ in sums], device)
+        apart = device.type == "cpu" and sanitize and batch > 1
+        if not apart:
+            with record_function("vip.clipped_sum"):
+                total.noise.wait()
+                _spread([functools.partial(add, factors, sanitize) for _, add in sums], [w for w, _ in sums], device)
+    if apart:
+        del sums  # this microbatch's stacks, none of them added
+        for sample in range(real):
+            _add_microbatch(engine, loss_fn, _map(inputs, lambda t, i=sample: t[i:i + 1]), 1, total)
+        return
     total.totals.add(real, losses, factors, realness, norms.values[0], engine.max_grad_norm)
 
 

@@ -261,12 +261,13 @@ def squares_bound(squares: torch.Tensor, terms: int) -> torch.Tensor:
 def clip_factors(values: torch.Tensor, max_grad_norm: float, real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``[B]`` float32 clip factors ``f = min(1, (C − Z) / (U + M))``, rounded down to float32, from ``values``
     (``[4, B]`` float64 rows: computed squared norm, ``U²``, ``M²``, ``Z``); 0 for a sample not ``real`` (padding)
-    or whose bounds are not finite, which then contributes nothing. And whether any real sample was not finite (a
-    0-dim bool tensor): only then must the sums clear non-finite entries."""
+    or whose bounds are not finite, which then contributes nothing. And whether any row, padding included, was not
+    finite (a 0-dim bool tensor): only then must the sums clear non-finite entries (0 × inf is NaN), and the samples
+    of its microbatch be computed again apart (a kernel may spread a non-finite row into its neighbours)."""
     _, squared, margin, absolute = values
     factors = ((max_grad_norm - absolute) / (squared.sqrt() + margin.sqrt())).clamp(0.0, 1.0)  # [B] float64
     finite = torch.isfinite(squared + margin + absolute)
-    return torch.where(real & finite, factors * FACTOR_ROUNDING, 0.0).float(), (real & ~finite).any()
+    return torch.where(real & finite, factors * FACTOR_ROUNDING, 0.0).float(), (~finite).any()
 
 
 # ------------------------------------------------------------------------------------------------ IEEE float32

@@ -307,6 +307,52 @@ def test_a_sample_with_a_non_finite_gradient_contributes_nothing(physical):
     assert (stats.examples, stats.non_finite) == (4, 1)
 
 
+class LeaksNonFiniteRows(nn.Module):
+    """Adds 0 × the next row to each row: nothing for finite data (the layout check sees no mixing), NaN beside a
+    non-finite row, as oneDNN's bfloat16 matmuls do on some CPUs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):  # x: [B, 4]
+        beside = torch.cat([x[1:], x[:1]]) * 0.0  # [B, 4]
+        return self.fc(x + beside).sum(-1)
+
+
+def test_a_non_finite_sample_spread_into_its_neighbours_does_not_drop_them():
+    """The seventh review: one NaN sample made its neighbours' norms NaN and dropped them (3.77 C)."""
+    torch.manual_seed(0)
+    model, x = LeaksNonFiniteRows(), torch.randn(5, 4)
+    bad = x.clone()
+    bad[2, 1] = float("nan")
+    with_bad = engine_grads(model, lambda m, b: m(b), bad, 0.5, physical=4)
+    without = reference_clipped_sum(model, lambda m, b: m(b), x[[0, 1, 3, 4]], 0.5)
+    assert all(torch.allclose(g, w, atol=1e-6) for g, w in zip(with_bad, without))
+
+
+class OverflowsOnItsLastRow(nn.Module):
+    """Scales its last row by 1e38 twice: the padding row of a padded microbatch overflows, as a padding copy can
+    under per-sample randomness (dropout) while the sample it copies does not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 1)
+
+    def forward(self, x):  # x: [B, 4]
+        scale = torch.ones(x.shape[0], 1)
+        scale[-1] = 1e38
+        return self.fc(x * scale * scale).sum(-1)
+
+
+def test_a_padding_row_that_overflows_leaves_the_sum_finite():
+    """The seventh review: a padding row's factor 0 times its infinite gradient made the whole step NaN."""
+    torch.manual_seed(0)
+    model, x = OverflowsOnItsLastRow(), torch.randn(3, 4)
+    padded = engine_grads(model, lambda m, b: m(b), x, 0.5, physical=4)
+    assert all(torch.isfinite(g).all() for g in padded)
+
+
 def test_the_statistics_count_the_samples_and_the_clipped_ones_but_not_the_padding():
     torch.manual_seed(0)
     vit, inputs = tiny_vit(), vit_inputs(5)
