@@ -32,7 +32,7 @@ from vip_core.eval.fit import WARMUP_FRACTION, layer_decay_param_groups
 from vip_core.privacy.ledger import LedgerBook
 from vip_core.privacy.plan import PrivacyPlan, fingerprint_of, plan_and_charge, settle_charge
 from vip_core.privacy.randomness import RandomStream
-from vip_core.train.data import normalise, partition_range
+from vip_core.train.data import DAMAGED_IMAGE_ERRORS, normalise, partition_range
 from vip_core.train.distributed import broadcast_parameters, rank_and_world
 from vip_core.train.loop import run_steps
 from vip_core.train.precision import autocast
@@ -106,10 +106,12 @@ def dp_finetune(model: EncoderClassifier, train: Dataset, settings: FinetuneSett
                        betas=(0.9, 0.999), weight_decay=settings.weight_decay, param_groups=groups,
                        earlier_runs=earlier_runs)
 
+    side = tuple(model.encoder.patch_embed.img_size)
+
     def batch(local: torch.Tensor, stream: RandomStream) -> tuple[torch.Tensor, torch.Tensor]:
         # the sample's uint8 images and labels, as pre-training hands its images over: the engine's one-time layout
         # check watches them where the loss makes them floating point
-        return _gather(train, local + start)  # images: [k, 3, S, S], labels: [k]
+        return _gather(train, local + start, side)  # images: [k, 3, S, S], labels: [k]
 
     def loss(classifier: nn.Module, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         images, labels = inputs  # images: [b, 3, S, S], labels: [b]
@@ -128,6 +130,17 @@ def dp_finetune(model: EncoderClassifier, train: Dataset, settings: FinetuneSett
     return step.epsilon
 
 
-def _gather(dataset: Dataset, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    items = [dataset[int(i)] for i in indices]
-    return torch.stack([image for image, _ in items]), torch.tensor([label for _, label in items])
+def _gather(dataset: Dataset, indices: torch.Tensor, side: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sampled images ``[k, 3, *side]`` uint8 and labels ``[k]``. A damaged image is left out, as pre-training
+    leaves one out: it contributes nothing (a null sample), where a failed job would tell that it was sampled."""
+    images, labels = [], []
+    for index in indices.tolist():
+        try:
+            image, label = dataset[index]
+        except DAMAGED_IMAGE_ERRORS:
+            continue
+        images.append(image)
+        labels.append(label)
+    if not images:  # an empty Poisson sample, or only damaged images
+        return torch.zeros(0, 3, *side, dtype=torch.uint8), torch.zeros(0, dtype=torch.long)
+    return torch.stack(images), torch.tensor(labels)

@@ -41,8 +41,10 @@ from vip_core.data import storage
 from vip_core.data.shards import IMAGE_EXTENSIONS
 from vip_core.data.storage import Location
 
-# What PIL raises on bytes that are not a whole image: truncated or corrupt data, an unknown format, a bomb.
-DAMAGED_IMAGE_ERRORS = (OSError, SyntaxError, ValueError, Image.DecompressionBombError)
+# What decoding bytes that are not a whole image raises: truncated or corrupt data, an unknown format, a bomb, and
+# whatever else PIL's format plugins raise on crafted headers (a DDS pixel format 0 raises NotImplementedError). The
+# data's author chooses the bytes, and a stage that fails on them would tell that the image was sampled.
+DAMAGED_IMAGE_ERRORS = (Exception,)
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)

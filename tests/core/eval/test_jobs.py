@@ -56,6 +56,30 @@ def test_dp_finetune_reports_the_privacy_spent_within_the_target(digits, tmp_pat
     assert 0.0 <= metrics["top1"] <= metrics["top5"] <= 1.0
 
 
+def test_dp_finetune_leaves_out_damaged_images_and_takes_an_empty_sample(digits, tmp_path):
+    """A damaged image in the private set is a null sample, as in pre-training: a failed job would tell that it was
+    sampled (the seventh review). Every image is sampled here (q = 1)."""
+    import shutil
+
+    from vip_core.eval.dp_finetune import _gather
+    from vip_core.eval.datasets import ImageFolderDataset
+
+    data = tmp_path / "digits"
+    shutil.copytree(digits, data)
+    (data / "train" / "0" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n cut short")
+    train_size = sum(1 for _ in (data / "train").rglob("*.png"))
+    private = FinetunePrivacyConfig(enabled=True, target_epsilon=1e6, batch_size=train_size,
+                                    physical_batch_size=64, steps=2, noise_multiplier=1.0)
+    config = tiny()
+    evaluation = config.evaluation.model_copy(update={"finetune_privacy": private})
+    metrics = prepare_job("finetune", data, evaluation, config.model, CPU, ledgers=tmp_path / "ledgers")(
+        random_encoder())
+    assert metrics["dp_sample_rate"] == 1.0 and 0.0 <= metrics["top1"] <= 1.0
+    dataset = ImageFolderDataset(data / "train", {str(k): k for k in range(10)}, 32)
+    images, labels = _gather(dataset, torch.tensor([], dtype=torch.long), (32, 32))
+    assert images.shape == (0, 3, 32, 32) and images.dtype == torch.uint8 and labels.shape == (0,)
+
+
 PAPER_REGULARISERS = {"finetune_drop_path": 0.1, "finetune_mixup": 0.8, "finetune_cutmix": 1.0,
                       "finetune_label_smoothing": 0.1, "finetune_randaugment": 9, "finetune_epochs": 1}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,7 @@ from vip_core.train.data import (
     ShardPartition,
     check_shard,
     decode_image,
+    decode_usable,
     microbatches,
     partition_range,
     measure_shards,
@@ -149,6 +151,17 @@ def test_a_damaged_image_decodes_as_zeros_marked_not_usable(damaged_shards):
     assert torch.nonzero(~decoded.usable).flatten().tolist() == damaged_positions
     assert decoded.pixels[damaged_positions].eq(0).all()
     assert decoded.pixels[decoded.usable].flatten(1).amax(dim=1).gt(0).all()
+
+
+def test_bytes_a_format_plugin_cannot_handle_are_a_damaged_image_not_a_failed_stage():
+    """A DDS header with pixel format 0 makes PIL raise NotImplementedError (the seventh review's fuzzing): the
+    author of the data chooses the bytes, and a failed stage would tell that the image was sampled."""
+    header = bytearray(128)
+    header[0:4] = b"DDS "
+    struct.pack_into("<7I", header, 4, 124, 0x1007, 16, 16, 0, 0, 0)  # size, flags, height, width, pitch, depth, mips
+    struct.pack_into("<2I", header, 76, 32, 0)  # pixel format: 32 bytes, no FourCC, no RGB
+    decoded = decode_usable([bytes(header) + bytes(16 * 16 * 4), encode_image(_image(0))], IMG)
+    assert decoded.usable.tolist() == [False, True]
 
 
 def test_the_check_names_every_damaged_member_of_a_shard(damaged_shards):
