@@ -268,7 +268,8 @@ class _WatchConversions(TorchFunctionMode):
         written = args[0] if name == "__setitem__" else out  # ``buf[:] = pixels`` fills ``buf``, returns None
         if (not sources or not isinstance(written, torch.Tensor) or written.dim() == 0
                 or written.shape[0] != self.batch
-                or (name in _MOVES_DIMS and not _keeps_dim0(func, args, kwargs or {}))):
+                or (name in _RESHAPES_DIMS and self._follows(_operand(args, kwargs or {}))
+                    and not _keeps_dim0(func, args, kwargs or {}))):
             return out
         out = written
         if not (out.is_floating_point() or out.is_complex()):
@@ -282,24 +283,40 @@ class _WatchConversions(TorchFunctionMode):
                 return out.add_(leaf)
         return out + leaf
 
+    def _follows(self, tensor: Any) -> bool:
+        return isinstance(tensor, torch.Tensor) and self.sources.get(id(tensor), (None, None))[1] is tensor
+
     @property
     def unwatched(self) -> list[str]:
         """The integer inputs no floating-point result was watched for."""
         return sorted({name for name, _ in self.sources.values()} - self.watched)
 
 
-# Operations that reorder their operand's dims: their result holds the samples on dim 0 only where dim 0 stayed
-# in place (``pixels.permute(0, 3, 1, 2)`` does; ``pixels.T`` of a square batch does not, whatever its shape says).
-_MOVES_DIMS = frozenset({"T", "mT", "H", "mH", "t", "transpose", "permute", "movedim", "moveaxis", "swapaxes",
-                         "swapdims"})
+# Operations that reorder or index their operand's dims: their result holds the samples on dim 0 only where dim 0
+# stayed in place (``pixels.permute(0, 3, 1, 2)`` does; ``pixels.T`` of a square batch, or ``pixels[i]`` of a batch
+# as long as its channels, does not, whatever its shape says).
+_RESHAPES_DIMS = frozenset({"T", "mT", "H", "mH", "t", "transpose", "permute", "movedim", "moveaxis", "swapaxes",
+                            "swapdims", "__getitem__", "select", "narrow"})
 
 
 def _keeps_dim0(func: Any, args: tuple, kwargs: dict) -> bool:
-    """Whether ``func`` leaves its operand's dim 0 as its result's dim 0: the same call on a shapeless (meta) tensor
-    of distinct sizes 2, 3, 4, ... shows where each dim went."""
-    operand = args[0]
-    probe = torch.empty(tuple(range(2, 2 + operand.dim())), device="meta")
-    return func(probe, *args[1:], **kwargs).shape[0] == 2
+    """Whether ``func`` leaves its operand's dim 0 as its result's dim 0: the same call on two shapeless (meta)
+    tensors whose dim 0 is one and two rows longer shows whether the result's dim 0 follows it."""
+    operand = _operand(args, kwargs)
+    for extra in (1, 2):
+        probe = torch.empty((operand.shape[0] + extra, *operand.shape[1:]), device="meta")
+        try:
+            result = func(probe, *args[1:], **kwargs) if args else func(**{**kwargs, "input": probe})
+        except (IndexError, RuntimeError, TypeError, ValueError):
+            return False
+        if not isinstance(result, torch.Tensor) or result.dim() == 0 or result.shape[0] != probe.shape[0]:
+            return False
+    return True
+
+
+def _operand(args: tuple, kwargs: dict) -> Any:
+    """The tensor a method or torch function acts on: its first argument, or ``input=``."""
+    return args[0] if args else kwargs.get("input")
 
 
 def _function_name(func: Any) -> str:

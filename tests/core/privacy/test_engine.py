@@ -956,8 +956,9 @@ def _filled(pixels):
     lambda p: p.permute(0, 3, 1, 2).float(),  # HWC pixels made CHW, the usual idiom
     lambda p: p.movedim(-1, 1).float(),
     lambda p: p.transpose(1, 3).float(),
+    lambda p: torch.permute(input=p, dims=(0, 3, 1, 2)).float(),
     _filled,  # a float buffer filled from the pixels
-], ids=["permute", "movedim", "transpose", "setitem"])
+], ids=["permute", "movedim", "transpose", "permute-keyword", "setitem"])
 def test_pixels_reordered_or_copied_before_a_batch_statistic_are_refused(to_float):
     """A reordering that keeps the batch on dim 0 is followed, and a float buffer the pixels are copied into is
     watched (the seventh review: accepted, 2.96-3.61 C)."""
@@ -969,6 +970,19 @@ def test_pixels_reordered_or_copied_before_a_batch_statistic_are_refused(to_floa
 
     with pytest.raises(UnsupportedLayerError, match=r"rows of input \(made floating point by"):
         engine_grads(nn.Linear(48, 2), loss, pixels, 1.0)
+
+
+@pytest.mark.parametrize("batch", [2, 3, 4])
+def test_an_honest_per_image_loop_is_accepted_whatever_the_batch_size(batch):
+    """``pixels[i]`` of CHW images is ``[3, H, W]``: with 3 samples it looked like the batch, was followed and seemed
+    mixed, so the step failed exactly when 3 images were sampled (the eighth review)."""
+    pixels = torch.randint(0, 256, (batch, 3, 4, 4), dtype=torch.uint8)
+
+    def loss(model, inputs):
+        images = torch.stack([inputs[i].flip(-1).float() / 255 for i in range(inputs.shape[0])])  # [B, 3, 4, 4]
+        return model(images.flatten(1)).sum(-1)
+
+    engine_grads(nn.Linear(48, 2), loss, pixels, 1.0)
 
 
 def test_an_integer_input_beside_a_mixed_floating_point_one_does_not_hide_the_mixing():

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -162,6 +164,20 @@ def test_bytes_a_format_plugin_cannot_handle_are_a_damaged_image_not_a_failed_st
     struct.pack_into("<2I", header, 76, 32, 0)  # pixel format: 32 bytes, no FourCC, no RGB
     decoded = decode_usable([bytes(header) + bytes(16 * 16 * 4), encode_image(_image(0))], IMG)
     assert decoded.usable.tolist() == [False, True]
+
+
+def test_an_image_that_makes_pil_warn_decodes_without_a_word_in_the_log():
+    """A palette PNG with byte transparency makes PIL warn; printed only when the image is sampled, the warning would
+    tell the worker's log that it was (the eighth review). In a fresh process, as a worker decodes."""
+    code = (
+        "import io\nfrom PIL import Image\nfrom vip_core.train.data import decode_pixels\n"
+        "image = Image.new('P', (40, 40)); image.putpalette([i % 256 for i in range(768)])\n"
+        "buffer = io.BytesIO(); image.save(buffer, 'PNG', transparency=bytes(range(256)))\n"
+        "print(tuple(decode_pixels(buffer.getvalue(), 16).shape))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[3])
+    assert (done.returncode, done.stdout.strip(), done.stderr) == (0, "(3, 16, 16)", "")
 
 
 def test_the_check_names_every_damaged_member_of_a_shard(damaged_shards):
