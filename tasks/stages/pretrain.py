@@ -53,8 +53,8 @@ from vip_core.train.data import ShardPartition, measure_shards
 from vip_core.train.distributed import (
     all_reduce_max, all_reduce_sum, broadcast_parameters, check_parameters_equal, gather_objects, rank_and_world,
 )
-from vip_core.train.pipeline import DECODE_MODE, InputPipeline, decode_workers, mae_loss
 from vip_core.train.ema import WeightAverage
+from vip_core.train.pipeline import DECODE_MODE, InputPipeline, decode_workers, mae_loss
 from vip_core.train.step import StepReport, TrainingStep
 
 if TYPE_CHECKING:
@@ -384,9 +384,9 @@ def _settle(plan: dict[str, Any], steps: int) -> None:
 
 def _publish_checkpoint(source: Path, target: Path) -> Path:
     """Writes the release of the last training checkpoint as ``target/checkpoint.pt``: exactly the weights,
-    the config, the step, the ledger and the weights' moving average or None (``PUBLISHED_ENTRIES``). ``target`` is replaced whole, never half
-    written. The optimiser, the plan and the random streams stay in Ray Train's checkpoints (``output/ray``),
-    which only a resume reads."""
+    the config, the step, the ledger and the weights' moving average or None (``PUBLISHED_ENTRIES``). ``target``
+    is replaced whole, never half written. The optimiser, the plan and the random streams stay in Ray Train's
+    checkpoints (``output/ray``), which only a resume reads."""
     from vip_core.models.checkpoint import CHECKPOINT_FILE, load_checkpoint, release_payload
 
     payload = release_payload(load_checkpoint(source))

@@ -181,8 +181,8 @@ def weights_entry(payload: Mapping[str, Any], weights: str, path: str | os.PathL
         raise CheckpointError(f"encoder_weights: unknown choice {weights!r} (known: {', '.join(ENCODER_WEIGHTS)})")
     state = payload.get(ENCODER_WEIGHTS[weights])
     if state is None:
-        raise CheckpointError(f"{checkpoint_file(path)} holds no EMA weights (train with ema_decay > 0), "
-                              "so encoder_weights: ema cannot be evaluated")
+        raise CheckpointError(f"{checkpoint_file(path)} holds no EMA weights (train with ema_decay > 0) to load "
+                              "for encoder_weights: ema")
     return state
 
 

@@ -154,9 +154,9 @@ def card_as_markdown(card: Mapping[str, Any]) -> str:
     model = card["model"]
     lines = [f"# {card['file']}", "",
              f"{model['architecture']}, exported by vip from the `{model['config']}` configuration at training "
-             f"step {model['training_step']} ({WEIGHTS_MEANING[model['weights']]}): {model['img_size']} px images, patch {model['patch_size']}, width "
-             f"{model['embed_dim']}, {model['depth']} blocks, {model['num_heads']} heads, {model['parameters']:,} "
-             f"parameters. Format `{card['format']}`, sha256 `{card['sha256']}`.", "",
+             f"step {model['training_step']} ({WEIGHTS_MEANING[model['weights']]}): {model['img_size']} px images, "
+             f"patch {model['patch_size']}, width {model['embed_dim']}, {model['depth']} blocks, "
+             f"{model['num_heads']} heads, {model['parameters']:,} parameters. Format `{card['format']}`, sha256 `{card['sha256']}`.", "",
              f"Inputs are normalised with mean {model['normalisation']['mean']} and std {model['normalisation']['std']}.",
              "", "## Loading", ""]
     if card["timm"] is not None:

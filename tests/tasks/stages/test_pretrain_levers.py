@@ -173,7 +173,7 @@ def test_every_preset_leaves_the_levers_off(name):
 
 
 @pytest.mark.parametrize("stage", ["private", "synthetic"])
-def test_the_defaults_take_bit_for_bit_the_steps_a_run_without_the_levers_takes(shards, monkeypatch, stage):  # noqa: F811
+def test_the_defaults_take_bit_for_bit_the_steps_of_a_run_without_levers(shards, monkeypatch, stage):  # noqa: F811
     if stage == "private":
         loop_config = worker_loop_config(tiny_config(**{"private.augmentation": "rrc_flip"}), shards)
     else:
@@ -256,11 +256,15 @@ def test_the_published_checkpoint_holds_the_moving_average_and_nothing_private(e
 
 
 def test_evaluation_loads_the_moving_averages_encoder_when_asked(ema_runs, tmp_path):
+    from tasks.stages.eval import encoder_builders
+
     whole, _, _ = ema_runs
-    published = load_checkpoint(whole["checkpoint"])
-    weight = "blocks.0.attn.qkv.weight"
-    assert torch.equal(load_encoder(whole["checkpoint"], weights="ema").state_dict()[weight], published["ema"][weight])
-    assert torch.equal(load_encoder(whole["checkpoint"]).state_dict()[weight], published["model"][weight])
+    published, weight = load_checkpoint(whole["checkpoint"]), "blocks.0.attn.qkv.weight"
+    config = validate_config(published["config"])
+    for choice, entry in (("ema", "ema"), ("final", "model")):
+        chosen = with_overrides(config, {"evaluation.encoder_weights": choice})
+        encoder = encoder_builders(chosen, config.model, whole["checkpoint"])["result"]()
+        assert torch.equal(encoder.state_dict()[weight], published[entry][weight])
     without = tmp_path / "checkpoint.pt"
     torch.save({**published, "ema": None}, without)
     with pytest.raises(CheckpointError, match=r"holds no EMA weights \(train with ema_decay > 0\)"):
