@@ -135,12 +135,15 @@ def _prepare_job(config: VipConfig, model_config: ModelConfig, task: str, data: 
 
 
 def _model_config(config: VipConfig, checkpoint: str | None) -> ModelConfig:
-    """The checkpoint's own model config when it has one, else ``config.model``."""
+    """The checkpoint's own model config when it has one, else ``config.model``; a checkpoint without the weights
+    ``evaluation.encoder_weights`` asks for fails here, before any job."""
     if checkpoint is None:
         return config.model
     from vip_core.models import load_checkpoint
+    from vip_core.models.checkpoint import weights_entry
 
     payload = load_checkpoint(checkpoint)
+    weights_entry(payload, config.evaluation.encoder_weights, checkpoint)
     if "config" not in payload:
         return config.model
     stored = validate_config(payload["config"]).model

@@ -286,3 +286,17 @@ def test_vip_export_writes_the_moving_average_when_asked_and_refuses_a_checkpoin
     assert main(["export", "--checkpoint", str(without), "--format", "timm", "--output", str(tmp_path / "no.pth"),
                  "--weights", "ema"]) == 2
     assert not (tmp_path / "no.pth").exists()
+
+
+def test_vip_eval_of_the_ema_of_a_checkpoint_without_one_is_one_line_before_any_job(ema_runs, tmp_path, capsys):
+    from tasks.cli import main
+
+    whole, _, _ = ema_runs
+    without = tmp_path / "checkpoint.pt"
+    torch.save({**load_checkpoint(whole["checkpoint"]), "ema": None}, without)
+    code = main(["eval", "--task", "linprobe", "--checkpoint", str(without), "--data", str(tmp_path / "images"),
+                 "--output", str(tmp_path / "out"), "--set", "evaluation.encoder_weights=ema"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith("vip eval: error: ") and "holds no EMA weights (train with ema_decay > 0)" in err
+    assert not (tmp_path / "out").exists()
