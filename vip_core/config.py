@@ -43,7 +43,7 @@ TRAINING_TASKS: tuple[str, ...] = ("linprobe", "finetune", "coco", "ade20k")
 # The ``evaluation`` fields each task reads (besides the model): its cache key and its folder hold these only,
 # so a change to one task's settings re-runs that task alone. Where the jobs run (``device``, ``num_workers``)
 # is among them: other hardware gives other rounding, and public jobs are deterministic for their config.
-_RUNS_ON = ("device", "random_init_baseline", "batch_size", "seed")
+_RUNS_ON = ("device", "random_init_baseline", "batch_size", "seed", "encoder_weights")
 _TRAINS_ON = (*_RUNS_ON, "num_workers")
 EVAL_TASK_FIELDS: dict[str, tuple[str, ...]] = {
     "linprobe": ("linprobe_last_blocks", "linprobe_epochs", "linprobe_lr", "linprobe_optimizer", "linprobe_batch_size",
@@ -215,6 +215,15 @@ class TrainingConfig(_Frozen):
         "none", description="rrc_flip: a random resized crop and a horizontal flip per sample (the paper's recipe)")
     crop_scale: tuple[float, float] = Field((0.2, 1.0), description="rrc_flip: range of the crop's area fraction")
     crop_ratio: tuple[float, float] = Field((3 / 4, 4 / 3), description="rrc_flip: range of the crop's aspect ratio")
+    augmentation_multiplicity: int = Field(
+        1, gt=0, description="K views of each image (K masks, and K crops and flips with rrc_flip) averaged inside "
+        "that image's loss before clipping (De et al. 2022): one clipped gradient per image, K forward passes")
+    ema_decay: float = Field(
+        0.0, ge=0, lt=1, description="decay d of an exponential moving average of the weights after every step, "
+        "published with the checkpoint as 'ema' (post-processing of the released weights); 0: off")
+    train_pos_embed: bool = Field(
+        False, description="train the encoder's and decoder's position embeddings (clipped and noised like every "
+        "parameter); false: the fixed sin-cos embeddings")
 
     @field_validator("betas")
     @classmethod
@@ -316,6 +325,9 @@ class EvaluationConfig(_Frozen):
     loader_workers: int = Field(0, ge=0, description="image-decoding processes of each job process")
     random_init_baseline: bool = Field(True, description="also run each job on a random-init encoder of the same "
                                                          "size (doubles the cost)")
+    encoder_weights: Literal["final", "ema"] = Field(
+        "final", description="the checkpoint's weights evaluated: its final weights, or their moving average "
+        "(ema, from a stage trained with ema_decay > 0)")
     linprobe_last_blocks: int = Field(4, gt=0)
     linprobe_epochs: int = Field(10, gt=0)
     linprobe_lr: float = Field(0.1, gt=0)

@@ -7,6 +7,7 @@ from typing import Any
 
 from tasks.cli.options import add_command
 from vip_core.config import EXPORT_FORMATS
+from vip_core.models.checkpoint import ENCODER_WEIGHTS
 
 
 def register(subparsers: Any) -> None:
@@ -23,13 +24,16 @@ def register(subparsers: Any) -> None:
                         help="a vip checkpoint: a file, or a folder holding checkpoint.pt (a stage's OUTPUT/checkpoint)")
     parser.add_argument("--format", required=True, choices=EXPORT_FORMATS, help="the file's layout")
     parser.add_argument("--output", required=True, metavar="FILE", help="the weights file to write (must not exist)")
+    parser.add_argument("--weights", choices=ENCODER_WEIGHTS, default="final",
+                        help="the checkpoint's final weights, or their moving average (a stage trained with "
+                        "ema_decay > 0); default: final")
 
 
 def handle_export(args: argparse.Namespace) -> int:
     from tasks.cli import print_json
     from vip_core.models.export import export_checkpoint
 
-    written = export_checkpoint(args.checkpoint, args.format, args.output)
+    written = export_checkpoint(args.checkpoint, args.format, args.output, args.weights)
     card = written.pop("card")
     print_json({**written, "epsilon": (card["privacy"] or {}).get("epsilon"),
                 "timm": card["timm"]["call"] if card["timm"] else None})

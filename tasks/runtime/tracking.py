@@ -291,9 +291,9 @@ def register_encoder(run_id: str, checkpoint: str | Path, name: str = ENCODER_MO
 def published_entries(payload: Mapping[str, Any]) -> dict[str, Any]:
     """The checkpoint's released entries other than the weights (``PUBLISHED_ENTRIES``: config, step, ledger);
     anything else a checkpoint holds (a training checkpoint's optimiser, loss or streams) is left out."""
-    from vip_core.models.checkpoint import PUBLISHED_ENTRIES
+    from vip_core.models.checkpoint import PUBLISHED_ENTRIES, WEIGHT_ENTRIES
 
-    return {key: payload[key] for key in PUBLISHED_ENTRIES if key != "model" and key in payload}
+    return {key: payload[key] for key in PUBLISHED_ENTRIES if key not in WEIGHT_ENTRIES and key in payload}
 
 
 def ledger_tags(ledger: Mapping[str, Any] | None) -> dict[str, str]:

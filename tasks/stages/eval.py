@@ -135,12 +135,15 @@ def _prepare_job(config: VipConfig, model_config: ModelConfig, task: str, data: 
 
 
 def _model_config(config: VipConfig, checkpoint: str | None) -> ModelConfig:
-    """The checkpoint's own model config when it has one, else ``config.model``."""
+    """The checkpoint's own model config when it has one, else ``config.model``; a checkpoint without the weights
+    ``evaluation.encoder_weights`` asks for fails here, before any job."""
     if checkpoint is None:
         return config.model
     from vip_core.models import load_checkpoint
+    from vip_core.models.checkpoint import weights_entry
 
     payload = load_checkpoint(checkpoint)
+    weights_entry(payload, config.evaluation.encoder_weights, checkpoint)
     if "config" not in payload:
         return config.model
     stored = validate_config(payload["config"]).model
@@ -151,7 +154,8 @@ def _model_config(config: VipConfig, checkpoint: str | None) -> ModelConfig:
 
 def encoder_builders(config: VipConfig, model_config: ModelConfig,
                      checkpoint: str | None) -> dict[str, Callable[[], nn.Module]]:
-    """``result`` (the checkpoint's encoder, or a random-init one without a checkpoint) and, with
+    """``result`` (the checkpoint's encoder, its final weights or their moving average as
+    ``evaluation.encoder_weights`` says, or a random-init one without a checkpoint) and, with
     ``evaluation.random_init_baseline``, ``baseline``: each built the same way wherever it is built."""
     from vip_core.eval.seeding import job_seed, seeded
     from vip_core.models import build_encoder, load_encoder
@@ -162,7 +166,7 @@ def encoder_builders(config: VipConfig, model_config: ModelConfig,
 
     def trained() -> nn.Module:
         with seeded(job_seed(config.evaluation.seed, "checkpoint encoder")):  # built, then the weights loaded
-            return load_encoder(checkpoint, model_config)
+            return load_encoder(checkpoint, model_config, weights=config.evaluation.encoder_weights)
 
     if checkpoint is None:
         return {"result": random_init}

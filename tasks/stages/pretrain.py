@@ -17,7 +17,8 @@ ledger book (and charges it), starts or joins Ray and runs a ``TorchTrainer`` wh
 * rank 0 logs ``privacy/epsilon`` and ``train/lr`` every step to the stage's MLflow run, and ``train/loss`` and
   ``train/images_per_s`` (for the private stage only with ``privacy.log_private_statistics`` on, which logs a warning);
 * at the end the driver settles the run's charge with the steps taken and publishes ``output/checkpoint``:
-  exactly the weights, the config, the step and the ledger (``PUBLISHED_ENTRIES``).
+  exactly the weights, the config, the step, the ledger and, with ``ema_decay`` > 0, the moving average of the
+  weights (``PUBLISHED_ENTRIES``).
 
 The per-step loss and throughput of the private stage, and the count of damaged images skipped, are computed
 on private data and are not privatized (docs/privacy.md lists every such value and where it goes). So are Ray Train's checkpoints,
@@ -52,6 +53,7 @@ from vip_core.train.data import ShardPartition, measure_shards
 from vip_core.train.distributed import (
     all_reduce_max, all_reduce_sum, broadcast_parameters, check_parameters_equal, gather_objects, rank_and_world,
 )
+from vip_core.train.ema import WeightAverage
 from vip_core.train.pipeline import DECODE_MODE, InputPipeline, decode_workers, mae_loss
 from vip_core.train.step import StepReport, TrainingStep
 
@@ -382,9 +384,9 @@ def _settle(plan: dict[str, Any], steps: int) -> None:
 
 def _publish_checkpoint(source: Path, target: Path) -> Path:
     """Writes the release of the last training checkpoint as ``target/checkpoint.pt``: exactly the weights,
-    the config, the step and the ledger (``PUBLISHED_ENTRIES``). ``target`` is replaced whole, never half
-    written. The optimiser, the plan and the random streams stay in Ray Train's checkpoints (``output/ray``),
-    which only a resume reads."""
+    the config, the step, the ledger and the weights' moving average or None (``PUBLISHED_ENTRIES``). ``target``
+    is replaced whole, never half written. The optimiser, the plan and the random streams stay in Ray Train's
+    checkpoints (``output/ray``), which only a resume reads."""
     from vip_core.models.checkpoint import CHECKPOINT_FILE, load_checkpoint, release_payload
 
     payload = release_payload(load_checkpoint(source))
@@ -412,6 +414,7 @@ class WorkerRun:
     images: float = 0.0
     seconds: float = 0.0
     damaged: int = 0  # sampled images that did not decode, skipped (rank 0 holds the count before a resume)
+    ema: WeightAverage | None = None  # the moving average of the weights, with ema_decay > 0
 
     @property
     def training(self) -> TrainingConfig:
@@ -428,22 +431,32 @@ class WorkerRun:
 
     def batch(self, local: torch.Tensor, stream: Any) -> tuple[torch.Tensor, ...]:
         """The step's inputs: the sample's decoded images [k, 3, H, W] (uint8, from the pipeline), one row of
-        masking noise per sample [k, L] and, with ``augmentation: rrc_flip``, one crop box and flip per sample
-        [k, 5], both from the step's per-sample stream. An image that did not decode is left out, with its rows
-        (drawn all the same), and counted: it contributes nothing to the step (:mod:`vip_core.train.data`)."""
-        decoded = self.pipeline.pixels(local)
-        inputs = (decoded.pixels, stream.uniform((len(local), self.model.num_patches)))
+        masking noise per sample [k, K * L] and, with ``augmentation: rrc_flip``, one row of crop boxes and flips
+        per sample [k, K * 5], both from the step's per-sample stream, for each of the K =
+        ``augmentation_multiplicity`` views in turn (K = 1 draws exactly what a run without views draws). An image
+        that did not decode is left out, with its rows (drawn all the same), and counted: it contributes nothing
+        to the step (:mod:`vip_core.train.data`)."""
+        decoded, views = self.pipeline.pixels(local), self.training.augmentation_multiplicity
+        inputs = (decoded.pixels, stream.uniform((len(local), views * self.model.num_patches)))
         if self.training.augmentation != "none":
-            inputs += (draw_crop_flips(stream, len(local), scale=self.training.crop_scale,
-                                       ratio=self.training.crop_ratio),)
+            crops = draw_crop_flips(stream, len(local) * views, scale=self.training.crop_scale,
+                                    ratio=self.training.crop_ratio)  # [k * K, 5]: sample by sample, view by view
+            inputs += (crops.reshape(len(local), views * crops.shape[1]),)
         self.damaged += int((~decoded.usable).sum())
         return inputs if bool(decoded.usable.all()) else tuple(value[decoded.usable] for value in inputs)
 
     def loss(self, model: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """The MAE's per-sample loss [b] of uint8 images ``inputs[0]`` under masks ``inputs[1]`` (cropped and
-        flipped by ``inputs[2]`` when there is one), normalised on the model's device, in the stage's precision."""
-        pixels, noise, *crops = inputs  # pixels: [b, 3, H, W] uint8, noise: [b, L], crops: [] or [[b, 5]]
-        return mae_loss(model, pixels, noise, self.training.precision, *crops)  # [b]
+        flipped by ``inputs[2]`` when there is one), normalised on the model's device, in the stage's precision,
+        averaged over the K views of each image."""
+        pixels, noise, *crops = inputs  # pixels: [b, 3, H, W] uint8, noise: [b, K * L], crops: [] or [[b, K * 5]]
+        return mae_loss(model, pixels, noise, self.training.precision, *crops,
+                        views=self.training.augmentation_multiplicity)  # [b]
+
+    def average_weights(self) -> None:
+        """Moves the moving average (with ``ema_decay`` > 0) towards the weights the step just released."""
+        if self.ema is not None:
+            self.ema.update(self.model)
 
     def metrics(self, report: StepReport | None, rank: int) -> dict[str, float]:
         """The metrics of the step just taken: step, lr, ε (private, rank 0) and, where allowed, loss and images/s."""
@@ -479,6 +492,7 @@ def train_worker(loop_config: dict[str, Any]) -> None:
         last[:] = [report]
         run.images += report.examples
         run.seconds += report.seconds
+        run.average_weights()
         if log_metrics is not None:
             log_metrics(run.metrics(report, rank), report.step)
         _maybe_kill(loop_config["fault"], rank, report.step)
@@ -525,6 +539,8 @@ def build_worker_run(loop_config: dict[str, Any], rank: int, world: int) -> Work
         model = build_mae(config.model)
     if loop_config["init_checkpoint"]:
         model.load_state_dict(load_checkpoint(loop_config["init_checkpoint"])["model"])
+    for position_embedding in (model.pos_embed, model.decoder_pos_embed):  # [1, L + 1, D]: the engine clips them
+        position_embedding.requires_grad_(training.train_pos_embed)
     if training.use_gpu:
         model = model.cuda()
     partition = ShardPartition(loop_config["shards"], loop_config["counts"], rank, world, config.model.img_size)
@@ -532,7 +548,9 @@ def build_worker_run(loop_config: dict[str, Any], rank: int, world: int) -> Work
     workers = decode_workers(training.cpus_per_worker)
     pipeline = step.prefetch(partition.decode, ahead=PREFETCH_STEPS, workers=workers, mode=DECODE_MODE,
                              pin_memory=training.use_gpu)
-    return WorkerRun(config=config, stage=stage, plan=plan, partition=partition, step=step, pipeline=pipeline)
+    ema = WeightAverage(model, training.ema_decay) if training.ema_decay > 0 else None
+    return WorkerRun(config=config, stage=stage, plan=plan, partition=partition, step=step, pipeline=pipeline,
+                     ema=ema)
 
 
 def _training_step(model: torch.nn.Module, plan: dict[str, Any], training: TrainingConfig,
@@ -561,6 +579,11 @@ def restore_worker_run(run: WorkerRun, folder: str, rank: int, world: int) -> No
     if streams is None:
         log.warning("checkpoint written by %d workers, now %d: fresh random streams", len(payload["streams"]), world)
     run.step.load_state_dict(payload["state"], streams)
+    if run.ema is not None:
+        if payload.get("ema") is None:
+            raise ValueError(f"resume refused: the checkpoint in {folder} holds no EMA of the weights and the "
+                             f"configuration asks for one (ema_decay {run.ema.decay}); choose a new output")
+        run.ema.load_state_dict(payload["ema"])
     run.resumes = int(payload["resumes"]) + 1
     run.damaged = int(payload.get("damaged", 0)) if rank == 0 else 0  # the run's count so far, summed over ranks
     log.info("rank %d resumed at step %d (resume %d)", rank, run.step.taken, run.resumes)
@@ -597,6 +620,7 @@ def report_checkpoint(run: WorkerRun, report: StepReport | None, rank: int, worl
         save_checkpoint(
             folder, model=run.model, config=run.config, stage=run.stage, step=run.step.taken, state=state,
             streams=[g["streams"] for g in gathered], resumes=run.resumes, damaged=int(damaged),
+            ema=None if run.ema is None else run.ema.state_dict(),
         )
         ray.train.report(summary, checkpoint=ray.train.Checkpoint.from_directory(folder))
 

@@ -56,6 +56,10 @@ def test_unknown_fields_are_refused():
         ({"privacy.max_grad_norm": float("inf")}, "privacy.max_grad_norm"),  # would clip nothing
         ({"privacy.noise_multiplier": float("inf")}, "privacy.noise_multiplier"),
         ({"evaluation.finetune_privacy.max_grad_norm": float("inf")}, "evaluation.finetune_privacy.max_grad_norm"),
+        ({"private.augmentation_multiplicity": 0}, "private.augmentation_multiplicity"),
+        ({"private.ema_decay": 1.0}, "private.ema_decay"),  # would never move from the initial weights
+        ({"synthetic.ema_decay": -0.1}, "synthetic.ema_decay"),
+        ({"evaluation.encoder_weights": "best"}, "evaluation.encoder_weights"),
     ],
 )
 def test_bad_value_error_names_the_field(overrides, field):

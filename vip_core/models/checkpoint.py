@@ -27,10 +27,13 @@ from vip_core.models.mae import GlobalPool, MaskedAutoencoderViT, build_encoder,
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_FILE = "checkpoint.pt"
-# What a published checkpoint holds, and nothing else: the weights, the run's config, its step and its
-# privacy ledger (ε, δ, σ, q, steps, accountant). Training checkpoints hold more (optimiser, random streams,
-# plan), stay with the run and are as private as the data.
-PUBLISHED_ENTRIES = ("model", "config", "step", "ledger")
+# What a published checkpoint holds, and nothing else: the weights, the run's config, its step, its privacy
+# ledger (ε, δ, σ, q, steps, accountant) and the moving average of the weights (None without ``ema_decay``: it is
+# computed from the released weights alone). Training checkpoints hold more (optimiser, random streams, plan), stay
+# with the run and are as private as the data.
+PUBLISHED_ENTRIES = ("model", "config", "step", "ledger", "ema")
+WEIGHT_ENTRIES = ("model", "ema")  # the published entries that are state dicts
+ENCODER_WEIGHTS = {"final": "model", "ema": "ema"}  # evaluation.encoder_weights -> the entry loaded
 _SHOWN_KEYS = 8
 
 
@@ -76,7 +79,8 @@ def release_payload(training_checkpoint: Mapping[str, Any]) -> dict[str, Any]:
     ``state``: optimiser, plan, ledger; see :mod:`vip_core.train.step`): exactly ``PUBLISHED_ENTRIES``.
 
     The ledger is reduced to its summary (ε of the data set, δ, σ, q, steps, accountant, the other runs
-    composed in); a checkpoint without privacy publishes ``ledger: None``.
+    composed in); a checkpoint without privacy publishes ``ledger: None``, one without a moving average of the
+    weights ``ema: None``.
     """
     from vip_core.privacy.ledger import PrivacyLedger
 
@@ -86,6 +90,7 @@ def release_payload(training_checkpoint: Mapping[str, Any]) -> dict[str, Any]:
         "config": training_checkpoint["config"],
         "step": int(training_checkpoint["step"]),
         "ledger": PrivacyLedger.from_state_dict(ledger).summary() if ledger is not None else None,
+        "ema": training_checkpoint.get("ema"),
     }
 
 
@@ -137,6 +142,7 @@ def load_encoder(
     model_config: ModelConfig | None = None,
     num_classes: int = 0,
     global_pool: GlobalPool = "token",
+    weights: str = "final",
 ) -> VisionTransformer:
     """The encoder stored in a checkpoint, as a timm ``VisionTransformer`` (see :func:`export_encoder`).
 
@@ -147,13 +153,14 @@ def load_encoder(
         num_classes: classifier outputs; 0 gives no head. A head is freshly initialised unless the
             file holds one of the same shape.
         global_pool: ``"token"`` (class token) or ``"avg"`` (mean of the patch tokens).
+        weights: ``"final"`` (the checkpoint's weights) or ``"ema"`` (their moving average, ``ema_decay`` > 0).
 
     Raises:
-        CheckpointError: no configuration, or keys that do not fit (named in the message).
+        CheckpointError: no configuration, keys that do not fit (named in the message), or no moving average.
     """
     payload = load_checkpoint(path)
     config = _model_config(payload, model_config, path)
-    state = payload["model"]
+    state = weights_entry(payload, weights, path)
     source = str(checkpoint_file(path))
     if "decoder_embed.weight" in state:
         mae = build_mae(config)
@@ -162,6 +169,21 @@ def load_encoder(
     vit = build_encoder(config, num_classes=num_classes, global_pool=global_pool)
     load_state_dict_exactly(vit, state, source=source, optional_prefixes=("head.",))
     return vit
+
+
+def weights_entry(payload: Mapping[str, Any], weights: str, path: str | os.PathLike[str]) -> Mapping[str, torch.Tensor]:
+    """The state dict ``weights`` (``"final"`` or ``"ema"``) of a loaded checkpoint.
+
+    Raises:
+        CheckpointError: an unknown choice, or ``"ema"`` from a checkpoint without a moving average.
+    """
+    if weights not in ENCODER_WEIGHTS:
+        raise CheckpointError(f"encoder_weights: unknown choice {weights!r} (known: {', '.join(ENCODER_WEIGHTS)})")
+    state = payload.get(ENCODER_WEIGHTS[weights])
+    if state is None:
+        raise CheckpointError(f"{checkpoint_file(path)} holds no EMA weights (train with ema_decay > 0) to load "
+                              "for encoder_weights: ema")
+    return state
 
 
 def load_state_dict_exactly(

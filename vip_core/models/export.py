@@ -27,7 +27,7 @@ import torch
 
 from vip_core.atomic import atomic_path, write_json, write_text
 from vip_core.config import EXPORT_FORMATS, ModelConfig, VipConfig, validate_config
-from vip_core.models.checkpoint import CheckpointError, checkpoint_file, load_checkpoint, release_payload
+from vip_core.models.checkpoint import CheckpointError, checkpoint_file, load_checkpoint, release_payload, weights_entry
 from vip_core.models.mae import encoder_state_dict
 from vip_core.privacy.ledger import ADJACENCY
 from vip_core.train.data import IMAGENET_MEAN, IMAGENET_STD
@@ -46,11 +46,14 @@ NOT_COVERED = ("values computed from the private data without noise: the per-ste
                "each); N, q = B/N and delta are published, which zero-out adjacency allows")
 ADJACENCY_MEANING = ("zero-out: two data sets are neighbours when one sample of one is replaced by a null sample that "
                      "contributes nothing to training; both have the same size N")
+WEIGHTS_MEANING = {"final": "its final weights", "ema": "the moving average of its weights, post-processing of the "
+                   "weights released at every step"}
 FINGERPRINT_WITHHELD = ("withheld: the fingerprint is a digest of the private data set's layout and bytes; it stays "
                         "in the run's plan.json and names the set's ledger")
 
 
-def export_checkpoint(checkpoint: str | os.PathLike[str], fmt: str, output: str | os.PathLike[str]) -> dict[str, Any]:
+def export_checkpoint(checkpoint: str | os.PathLike[str], fmt: str, output: str | os.PathLike[str],
+                      weights: str = "final") -> dict[str, Any]:
     """Writes the checkpoint's weights to ``output`` in ``fmt`` and its model card beside it.
 
     Args:
@@ -59,6 +62,7 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], fmt: str, output: str 
         fmt: ``timm``, ``mae`` or ``safetensors``.
         output: the weights file; the card is written as its stem + ``.json`` and ``.md``. None of the three
             may exist yet.
+        weights: ``"final"`` (the checkpoint's weights) or ``"ema"`` (their moving average, ``ema_decay`` > 0).
 
     Returns:
         The paths written (``output``, ``card_json``, ``card_markdown``) and the card.
@@ -75,8 +79,9 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], fmt: str, output: str 
     _check_output(output, fmt, (card_json, card_markdown))
     release = read_release(checkpoint)
     config = validate_config(release["config"])
-    _write_weights(output, fmt, release["model"], timm_recipe(config.model, output.name))
-    card = model_card(config, release, fmt=fmt, file=output)
+    state = weights_entry(release, weights, checkpoint)
+    _write_weights(output, fmt, state, timm_recipe(config.model, output.name))
+    card = model_card(config, release, fmt=fmt, file=output, weights=weights)
     write_json(card_json, card)
     write_text(card_markdown, card_as_markdown(card))
     return {"output": str(output), "card_json": str(card_json), "card_markdown": str(card_markdown), "card": card}
@@ -119,8 +124,10 @@ def timm_recipe(model: ModelConfig, file: str) -> dict[str, Any]:
     return {"model_name": model_name, "pretrained_cfg_overlay": overlay, "kwargs": kwargs, "call": call}
 
 
-def model_card(config: VipConfig, release: Mapping[str, Any], *, fmt: str, file: Path) -> dict[str, Any]:
-    """The card's content: the model, how to load it, the file's digest and the privacy ledger."""
+def model_card(config: VipConfig, release: Mapping[str, Any], *, fmt: str, file: Path,
+               weights: str = "final") -> dict[str, Any]:
+    """The card's content: the model (``weights``: its final weights or their moving average), how to load it,
+    the file's digest and the privacy ledger."""
     model = config.model
     state = _format_state(fmt, release["model"])
     return {
@@ -133,6 +140,7 @@ def model_card(config: VipConfig, release: Mapping[str, Any], *, fmt: str, file:
             **model.model_dump(),
             "parameters": sum(tensor.numel() for tensor in state.values()),
             "training_step": int(release.get("step", 0)),
+            "weights": weights,
             "normalisation": {"mean": IMAGENET_MEAN, "std": IMAGENET_STD},
         },
         "timm": timm_recipe(model, file.name) if fmt != "mae" else None,
@@ -146,9 +154,9 @@ def card_as_markdown(card: Mapping[str, Any]) -> str:
     model = card["model"]
     lines = [f"# {card['file']}", "",
              f"{model['architecture']}, exported by vip from the `{model['config']}` configuration at training "
-             f"step {model['training_step']}: {model['img_size']} px images, patch {model['patch_size']}, width "
-             f"{model['embed_dim']}, {model['depth']} blocks, {model['num_heads']} heads, {model['parameters']:,} "
-             f"parameters. Format `{card['format']}`, sha256 `{card['sha256']}`.", "",
+             f"step {model['training_step']} ({WEIGHTS_MEANING[model['weights']]}): {model['img_size']} px images, "
+             f"patch {model['patch_size']}, width {model['embed_dim']}, {model['depth']} blocks, "
+             f"{model['num_heads']} heads, {model['parameters']:,} parameters. Format `{card['format']}`, sha256 `{card['sha256']}`.", "",
              f"Inputs are normalised with mean {model['normalisation']['mean']} and std {model['normalisation']['std']}.",
              "", "## Loading", ""]
     if card["timm"] is not None:

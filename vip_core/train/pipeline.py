@@ -78,17 +78,34 @@ def decode_workers(cpus: float) -> int:
 
 
 def mae_loss(model: nn.Module, pixels: torch.Tensor, noise: torch.Tensor, precision: str,
-             crops: torch.Tensor | None = None) -> torch.Tensor:
-    """The MAE's per-sample loss ``[b]`` (float32) of uint8 images ``pixels`` ``[b, 3, H, W]`` under masking noise
-    ``noise`` ``[b, L]``: both moved to the model's device, each image cropped and flipped there by its row of
-    ``crops`` ``[b, 5]`` when given (:mod:`vip_core.train.augment`), then normalised, the forward in ``precision``."""
+             crops: torch.Tensor | None = None, *, views: int = 1) -> torch.Tensor:
+    """The MAE's per-sample loss ``[b]`` (float32) of uint8 images ``pixels`` ``[b, 3, H, W]``, averaged over
+    ``views`` views of each image (augmentation multiplicity, De et al. 2022).
+
+    Row i of ``noise`` ``[b, views * L]`` holds image i's masking noise of each view in turn, and row i of ``crops``
+    ``[b, views * 5]`` (when given, :mod:`vip_core.train.augment`) its crop and flip of each view. Everything moves
+    to the model's device; each view is cropped and flipped there, normalised, and its forward runs in
+    ``precision`` on all ``b`` images at once, so every layer still sees the microbatch's rows on dim 0. The mean
+    over the views is one image's loss, so its gradient is still one sample's contribution to the clipped sum.
+    """
     device = next(model.parameters()).device
     pixels = pixels.to(device, non_blocking=True)  # [b, 3, H, W] uint8
+    noise = noise.to(device).unflatten(1, (views, -1))  # [b, views, L]
+    crops = None if crops is None else crops.unflatten(1, (views, -1))  # [b, views, 5]
+    losses = [_view_loss(model, pixels, noise[:, view], precision, None if crops is None else crops[:, view])
+              for view in range(views)]  # views × [b]
+    return torch.stack(losses, dim=1).mean(dim=1)  # [b]
+
+
+def _view_loss(model: nn.Module, pixels: torch.Tensor, noise: torch.Tensor, precision: str,
+               crops: torch.Tensor | None) -> torch.Tensor:
+    """The MAE's loss ``[b]`` of one view: images ``[b, 3, H, W]`` (uint8, on the model's device) cropped and flipped
+    by ``crops`` ``[b, 5]`` when given, normalised, masked by ``noise`` ``[b, L]``."""
     if crops is not None:
         pixels = apply_crop_flips(pixels.float(), crops)  # [b, 3, H, W] float in 0..255
     imgs = normalise(pixels)  # imgs: [b, 3, H, W]
-    with autocast(precision, device):
-        return model(imgs, noise=noise.to(device))[0].float()  # [b]
+    with autocast(precision, pixels.device):
+        return model(imgs, noise=noise)[0].float()  # [b]
 
 
 class InputPipeline:

@@ -36,9 +36,9 @@ def ledger():
 
 @pytest.fixture(scope="module")
 def published(mae, ledger, tmp_path_factory):
-    """A checkpoint as pre-training publishes it: exactly the weights, the config, the step and the ledger."""
+    """A checkpoint as pre-training publishes it: exactly the weights, the config, the step, the ledger and no EMA."""
     folder = tmp_path_factory.mktemp("published")
-    save_checkpoint(folder, model=mae, config=TINY, step=STEP, ledger=ledger.summary())
+    save_checkpoint(folder, model=mae, config=TINY, step=STEP, ledger=ledger.summary(), ema=None)
     assert tuple(torch.load(folder / "checkpoint.pt", weights_only=True)) == PUBLISHED_ENTRIES
     return folder
 

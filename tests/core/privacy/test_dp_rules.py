@@ -740,7 +740,8 @@ def test_rule_10_the_published_checkpoint_is_the_allow_list_and_nothing_else():
                            "step": 2, "state": step.state_dict(), "streams": [step.stream_state()], "resumes": 0,
                            "last_loss": 0.5}
     published = release_payload(training_checkpoint)
-    assert tuple(published) == PUBLISHED_ENTRIES == ("model", "config", "step", "ledger")
+    assert tuple(published) == PUBLISHED_ENTRIES == ("model", "config", "step", "ledger", "ema")
+    assert published["ema"] is None  # a run without ema_decay
     assert set(published["ledger"]) == {"epsilon", "delta", "noise_multiplier", "sample_rate", "steps", "accountant",
                                         "adjacency", "composed_with"}
     assert published["ledger"]["adjacency"] == "zero-out"

@@ -96,7 +96,7 @@ def test_published_checkpoint_holds_the_allow_list_only(synthetic, private):
     for stage in (synthetic, private):
         published = load_checkpoint(stage["checkpoint"])
         training = load_checkpoint(stage["training_checkpoint"])
-        assert tuple(published) == PUBLISHED_ENTRIES  # weights, config, step, ledger: no streams, no loss
+        assert tuple(published) == PUBLISHED_ENTRIES  # weights, config, step, ledger, ema: no streams, no loss
         assert published["step"] == STEPS
         assert all(torch.equal(published["model"][key], value) for key, value in training["model"].items())
     assert load_checkpoint(synthetic["checkpoint"])["ledger"] is None
