@@ -268,8 +268,7 @@ class _WatchConversions(TorchFunctionMode):
         written = args[0] if name == "__setitem__" else out  # ``buf[:] = pixels`` fills ``buf``, returns None
         if (not sources or not isinstance(written, torch.Tensor) or written.dim() == 0
                 or written.shape[0] != self.batch
-                or (name in _RESHAPES_DIMS and self._follows(_operand(args, kwargs or {}))
-                    and not _keeps_dim0(func, args, kwargs or {}))):
+                or (name in _REARRANGES and not self._keeps_rows(func, args, kwargs or {}))):
             return out
         out = written
         if not (out.is_floating_point() or out.is_complex()):
@@ -286,32 +285,45 @@ class _WatchConversions(TorchFunctionMode):
     def _follows(self, tensor: Any) -> bool:
         return isinstance(tensor, torch.Tensor) and self.sources.get(id(tensor), (None, None))[1] is tensor
 
+    def _keeps_rows(self, func: Any, args: tuple, kwargs: dict) -> bool:
+        """Whether row j of ``func``'s result is row j of the inputs it rearranges and nothing else: the same call with
+        each followed operand replaced by its row ids (row i holds i) must give row j holding j alone. Where a
+        followed tensor is not the operand (``table[indices]``), the result's rows are the index's: kept."""
+        operand = _operand(args, kwargs)
+        operands = operand if isinstance(operand, (list, tuple)) else (operand,)
+        if not any(self._follows(t) for t in operands):
+            return True
+        probe = [_row_ids(t) if self._follows(t) else t for t in operands]
+        probe = type(operand)(probe) if isinstance(operand, (list, tuple)) else probe[0]
+        kwargs = {key: value for key, value in kwargs.items() if key != "out"}  # never write into the model's tensor
+        try:
+            result = func(probe, *args[1:], **kwargs) if args else func(**{**kwargs, "input": probe})
+        except (IndexError, RuntimeError, TypeError, ValueError):
+            return False
+        if not isinstance(result, torch.Tensor) or result.dim() == 0 or result.shape[0] != self.batch:
+            return False
+        rows = torch.arange(self.batch, device=result.device).view(-1, *[1] * (result.dim() - 1))
+        return bool((result == rows).all())
+
     @property
     def unwatched(self) -> list[str]:
         """The integer inputs no floating-point result was watched for."""
         return sorted({name for name, _ in self.sources.values()} - self.watched)
 
 
-# Operations that reorder or index their operand's dims: their result holds the samples on dim 0 only where dim 0
-# stayed in place (``pixels.permute(0, 3, 1, 2)`` does; ``pixels.T`` of a square batch, or ``pixels[i]`` of a batch
-# as long as its channels, does not, whatever its shape says).
-_RESHAPES_DIMS = frozenset({"T", "mT", "H", "mH", "t", "transpose", "permute", "movedim", "moveaxis", "swapaxes",
-                            "swapdims", "__getitem__", "select", "narrow"})
+# Operations that rearrange their operands' elements: their result holds the samples on dim 0 only where each row
+# is one sample's (``pixels.permute(0, 3, 1, 2)`` or a per-sample crop is; ``pixels.T`` of a square batch, or
+# ``pixels[i]`` or ``torch.stack([pixels[:, 2], pixels[:, 1], pixels[:, 0]])`` of a batch as long as its channels,
+# is not, whatever its shape says).
+_REARRANGES = frozenset({"T", "mT", "H", "mH", "t", "transpose", "permute", "movedim", "moveaxis", "swapaxes",
+                         "swapdims", "__getitem__", "select", "narrow", "index_select", "gather", "stack", "cat",
+                         "concat", "concatenate", "reshape", "view", "flatten", "unflatten", "expand", "repeat"})
 
 
-def _keeps_dim0(func: Any, args: tuple, kwargs: dict) -> bool:
-    """Whether ``func`` leaves its operand's dim 0 as its result's dim 0: the same call on two shapeless (meta)
-    tensors whose dim 0 is one and two rows longer shows whether the result's dim 0 follows it."""
-    operand = _operand(args, kwargs)
-    for extra in (1, 2):
-        probe = torch.empty((operand.shape[0] + extra, *operand.shape[1:]), device="meta")
-        try:
-            result = func(probe, *args[1:], **kwargs) if args else func(**{**kwargs, "input": probe})
-        except (IndexError, RuntimeError, TypeError, ValueError):
-            return False
-        if not isinstance(result, torch.Tensor) or result.dim() == 0 or result.shape[0] != probe.shape[0]:
-            return False
-    return True
+def _row_ids(tensor: torch.Tensor) -> torch.Tensor:
+    """An int32 tensor of ``tensor``'s shape and device whose row i holds i."""
+    rows = torch.arange(tensor.shape[0], dtype=torch.int32, device=tensor.device)
+    return rows.view(-1, *[1] * (tensor.dim() - 1)).expand(tensor.shape).contiguous()
 
 
 def _operand(args: tuple, kwargs: dict) -> Any:

@@ -957,8 +957,10 @@ def _filled(pixels):
     lambda p: p.movedim(-1, 1).float(),
     lambda p: p.transpose(1, 3).float(),
     lambda p: torch.permute(input=p, dims=(0, 3, 1, 2)).float(),
+    lambda p: p[torch.arange(p.shape[0])[:, None, None], torch.arange(4)[:, None], torch.arange(4)].float(),  # crop
+    lambda p: p[: p.shape[0]].float(),
     _filled,  # a float buffer filled from the pixels
-], ids=["permute", "movedim", "transpose", "permute-keyword", "setitem"])
+], ids=["permute", "movedim", "transpose", "permute-keyword", "crop", "slice", "setitem"])
 def test_pixels_reordered_or_copied_before_a_batch_statistic_are_refused(to_float):
     """A reordering that keeps the batch on dim 0 is followed, and a float buffer the pixels are copied into is
     watched (the seventh review: accepted, 2.96-3.61 C)."""
@@ -972,15 +974,24 @@ def test_pixels_reordered_or_copied_before_a_batch_statistic_are_refused(to_floa
         engine_grads(nn.Linear(48, 2), loss, pixels, 1.0)
 
 
+def _per_image_loop(pixels):
+    return torch.stack([pixels[i].flip(-1).float() / 255 for i in range(pixels.shape[0])])  # [B, 3, H, W]
+
+
+def _channels_swapped(pixels):
+    return torch.stack([pixels[:, 2], pixels[:, 1], pixels[:, 0]]).float().permute(1, 0, 2, 3) / 255  # [B, 3, H, W]
+
+
 @pytest.mark.parametrize("batch", [2, 3, 4])
-def test_an_honest_per_image_loop_is_accepted_whatever_the_batch_size(batch):
-    """``pixels[i]`` of CHW images is ``[3, H, W]``: with 3 samples it looked like the batch, was followed and seemed
-    mixed, so the step failed exactly when 3 images were sampled (the eighth review)."""
+@pytest.mark.parametrize("to_float", [_per_image_loop, _channels_swapped], ids=["per-image-loop", "channels-swapped"])
+def test_an_honest_model_is_accepted_whatever_the_batch_size(batch, to_float):
+    """``pixels[i]`` of CHW images is ``[3, H, W]``, and a stack of their channels ``[3, B, H, W]``: with 3 samples
+    either looked like the batch, was followed and seemed mixed, so the step failed exactly when 3 images were
+    sampled (the eighth and ninth reviews)."""
     pixels = torch.randint(0, 256, (batch, 3, 4, 4), dtype=torch.uint8)
 
     def loss(model, inputs):
-        images = torch.stack([inputs[i].flip(-1).float() / 255 for i in range(inputs.shape[0])])  # [B, 3, 4, 4]
-        return model(images.flatten(1)).sum(-1)
+        return model(to_float(inputs).flatten(1)).sum(-1)
 
     engine_grads(nn.Linear(48, 2), loss, pixels, 1.0)
 
