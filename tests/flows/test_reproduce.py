@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.app.reproduce import summary
+from flows.app.reproduce import main, summary
 from flows.app.run import stage_states
 from flows.reproduce import reproduce_flow
 from tasks.runtime import tracking
@@ -44,3 +44,11 @@ def test_every_arm_runs_and_each_finding_gets_a_verdict(prefect_api, tmp_path):
     assert {"reproduce.png", "reproduce.md", "reproduce.json"} <= artifacts
     ledgers = [json.loads(p.read_text()) for p in Path(state_paths()["ledgers"]).glob("*.json")]
     assert len(ledgers) == 3  # each private run charged its own data set
+
+
+def test_a_recipe_at_another_compute_is_refused_before_anything_starts(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--experiment", "smoke", "--recipe", "private.steps=6", "--workdir", "/nonexistent/never-made"])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("python -m flows.app.reproduce: error: recipe: its DP stage costs 2.000 x")
