@@ -48,12 +48,12 @@ def test_judge_gives_every_arm_and_each_finding_a_verdict():
 
 
 def test_the_development_and_held_out_splits_share_no_task_seed_and_no_training_seed():
-    development, held_out = ({(t.kind, t.data_seed) for t in SPLITS[name].tasks} for name in ("development", "held-out"))
+    development, held_out = ({(t.kind, t.data_seed) for t in SPLITS[name]} for name in ("development", "held-out"))
     assert not development & held_out
     assert {kind for kind, _ in held_out} - {kind for kind, _ in development} == {"counting"}  # a kind never chosen on
     assert len({kind for kind, _ in held_out}) >= 3
     assert not set(reproduce().seeds) & set(reproduce_development().seeds)
-    assert reproduce_development().tasks == SPLITS["development"].tasks and reproduce().tasks == SPLITS["held-out"].tasks
+    assert reproduce_development().tasks == SPLITS["development"] and reproduce().tasks == SPLITS["held-out"]
     with pytest.raises(ValueError, match=r"seeds \[100\] are development seeds"):
         ReproduceConfig(seeds=(0, DEVELOPMENT_SEEDS[0]))
     with pytest.raises(ValueError, match="split development trains on seeds from"):
