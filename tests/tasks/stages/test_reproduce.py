@@ -17,15 +17,16 @@ from vip_core.reproduce import FINDINGS, DownstreamTask, ReproduceConfig, reprod
 TRAINED_ARMS = ("synthetic", "dp-from-synthetic", "vip-recipe", "dp-from-random")
 
 
-# A 2-block 32-wide encoder at 16 px: the probes see 64 pooled features (768 raw pixels), so that every arm on
-# every task is probed in about a minute on a loaded 2-core machine.
+# A 2-block 32-wide encoder at 16 px and one strong penalty: the probes see 64 pooled features (768 raw pixels)
+# and fit three times each, so that every arm on every task is probed in a minute or two on a loaded 2-core machine.
 TINY_MODEL = {"model.img_size": 16, "model.embed_dim": 32, "model.depth": 2, "model.num_heads": 2,
               "model.decoder_embed_dim": 32, "model.decoder_depth": 1, "model.decoder_num_heads": 2}
 
 
 def _tiny(**update) -> ReproduceConfig:
     experiment = reproduce_smoke()
-    return experiment.model_copy(update={"vip": with_overrides(experiment.vip, TINY_MODEL), **update})
+    return experiment.model_copy(update={"vip": with_overrides(experiment.vip, TINY_MODEL), "probe_l2_grid": (1.0,),
+                                         **update})
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,7 @@ def _checkpoints(experiment, folder) -> dict[str, str]:
 
 
 def test_each_encoder_arm_is_also_probed_block_by_block_and_the_table_shows_it(downstream, tmp_path):
-    experiment = _tiny(nonprivate_ceiling=False)
+    experiment = _tiny(nonprivate_ceiling=False, block_probes=True)
     checkpoints = _checkpoints(experiment, tmp_path / "run")
     encoders = evaluate_seed(experiment, 0, checkpoints, downstream, tmp_path / "seed0")
     pixels = evaluate_seed(experiment, None, {}, downstream, tmp_path / "pixels")
@@ -93,7 +94,7 @@ def test_a_workdir_record_reads_back_with_new_settings_defaulted_and_a_killed_wr
     claim_workdir(root, experiment)
     record = root / "experiment.json"
     held = json.loads(record.read_text())
-    del held["block_probes"]  # a record written before this setting existed: its default applies
+    del held["split"]  # a record written before this setting existed: its default applies
     record.write_text(json.dumps(held))
     claim_workdir(root, experiment)
     record.write_text(json.dumps({**held, "retired_setting": 1}))  # a setting this version no longer knows
