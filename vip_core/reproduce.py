@@ -4,38 +4,49 @@ definition, its sizes and its findings, fixed before any run.
 Arms, per seed (docs/reproduce.md): ``random-init`` (the weights both synthetic and DP-from-random start
 from: ``torch.manual_seed(seed)`` then ``build_mae``), ``synthetic`` (MAE on rendered shader images, no DP),
 ``dp-from-synthetic`` and ``dp-from-random`` (DP-MAE at ε = 8 on private images, from the synthetic
-checkpoint or from the random-init weights), optionally ``nonprivate-ceiling`` (MAE without DP on private
-images, from the random-init weights) and ``raw-pixels``. Every run on private images gets its own set drawn
-from the object generator (seed per arm and seed), so each DP run is (ε, δ)-DP on its own data set.
+checkpoint or from the random-init weights: the faithful ViP recipe), ``vip-recipe`` (DP-MAE at ε = 8 from the
+synthetic checkpoint with vip's recipe, :attr:`ReproduceConfig.recipe`, at the faithful arm's training compute),
+optionally ``nonprivate-ceiling`` (MAE without DP on private images, from the random-init weights) and
+``raw-pixels``. Every run on private images gets its own set drawn from the object generator (seed per arm and
+seed), so each DP run is (ε, δ)-DP on its own data set.
 
-The deciding evaluation of every finding is the converged linear probe (:mod:`vip_core.eval.logistic`) on
-the mean-pooled patch tokens of every encoder block, on the labelled downstream set; the verdicts come
-from paired bootstrap intervals (:mod:`vip_core.eval.paired`).
+The arms' encoders are trained once and probed on every downstream task of the experiment's split
+(:data:`SPLITS`): the development tasks and seeds choose the recipe, the held-out ones score it. The deciding
+evaluation of every finding is the converged linear probe (:mod:`vip_core.eval.logistic`) on the mean-pooled
+patch tokens of every encoder block, on each task's labelled set; the verdicts come from paired bootstrap
+intervals (:mod:`vip_core.eval.paired`), per task.
 """
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Literal, Mapping
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from vip_core.config import VipConfig, vip_pico, with_overrides
+from pydantic import ValidationError
+
+from vip_core.config import VipConfig, parse_setting, vip_pico, with_overrides
 from vip_core.eval.logistic import L2_GRID
 from vip_core.eval.paired import accuracy, paired_difference, per_seed, verdict
+from vip_core.models.flops import stage_flops
 
 ARMS: dict[str, str] = {
     "random-init": "the initial weights of the synthetic and DP-from-random runs (no training)",
     "synthetic": "MAE on the synthetic shader images, no DP",
     "dp-from-synthetic": "DP-MAE (ε = 8) on private images, warm-started from the synthetic checkpoint",
+    "vip-recipe": "DP-MAE (ε = 8) on private images, from the synthetic checkpoint, with vip's recipe at the same "
+                  "training compute",
     "dp-from-random": "DP-MAE (ε = 8) on private images, from the random-init weights",
     "nonprivate-ceiling": "MAE without DP on private images, from the random-init weights (a ceiling)",
     "raw-pixels": "the normalised pixels themselves",
 }
-# The arms trained on private images, each on its own set (ReproduceConfig.private_set_seed).
-PRIVATE_ARMS = ("dp-from-synthetic", "dp-from-random", "nonprivate-ceiling")
+# The arms trained on private images, each on its own set (ReproduceConfig.private_set_seed; appended, never
+# reordered: an arm's index is part of its set's seed).
+PRIVATE_ARMS = ("dp-from-synthetic", "dp-from-random", "nonprivate-ceiling", "vip-recipe")
+WARM_STARTED = ("dp-from-synthetic", "vip-recipe")  # the private arms that start from the synthetic checkpoint
 
 
 @dataclass(frozen=True)
@@ -55,7 +66,46 @@ FINDINGS = (
             "dp-from-synthetic", "dp-from-random", 0.0),
     Finding(3, "DP warm-started from synthetic is at least as good as synthetic alone (within 1 point)",
             "dp-from-synthetic", "synthetic", -0.01),
+    Finding(4, "vip's recipe beats a faithful ViP recipe at the same ε and the same training compute",
+            "vip-recipe", "dp-from-synthetic", 0.0),
+    Finding(5, "DP from synthetic beats raw pixels", "dp-from-synthetic", "raw-pixels", 0.0),
 )
+
+# vip's recipe: dotted overrides of the DP stage (and of how its encoder is evaluated) applied to the
+# ``vip-recipe`` arm only, chosen on the development split; empty: the faithful recipe, so finding 4 compares
+# the faithful recipe with itself on other private sets. Values are for the default experiment's sizes.
+VIP_RECIPE: dict[str, Any] = {}
+# What a recipe may change: the DP stage's training, its clipping bound and the encoder's evaluation; the ε, δ
+# and the model stay the faithful arm's (same ε; the warm start loads the synthetic checkpoint).
+RECIPE_FIELDS = ("private.", "privacy.max_grad_norm", "evaluation.")
+# How far vip-recipe's DP-stage FLOPs may lie from dp-from-synthetic's (B not divisible by a multiplicity K
+# rounds B / K).
+COMPUTE_TOLERANCE = 0.02
+
+
+@dataclass(frozen=True)
+class DownstreamTask:
+    """A labelled downstream task: a generator (:data:`vip_core.data.downstream.TASK_KINDS`) and its seed."""
+
+    kind: str
+    data_seed: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}-seed{self.data_seed}"
+
+    def describe(self) -> str:
+        return f"{self.kind} (data seed {self.data_seed})"
+
+
+# The development split chooses the recipe (with DEVELOPMENT_SEEDS as training seeds); the held-out split scores
+# it on other data seeds of the same kinds, on a kind never used in choosing (counting) and with other training
+# seeds. Shapes seed 0 also chose the synthetic stage's length.
+DEVELOPMENT_SEEDS = (100, 101)
+SPLITS: dict[str, tuple[DownstreamTask, ...]] = {
+    "development": (DownstreamTask("shapes", 0), DownstreamTask("textures", 0)),
+    "held-out": (DownstreamTask("shapes", 1), DownstreamTask("textures", 1), DownstreamTask("counting", 1)),
+}
 
 
 class ReproduceConfig(BaseModel):
@@ -67,15 +117,17 @@ class ReproduceConfig(BaseModel):
     vip: VipConfig = Field(default_factory=vip_pico)
     seeds: tuple[int, ...] = Field((0, 1), min_length=1, description="each arm's runs: initial weights and sampling")
     private_images: int = Field(50_000, gt=0, description="images in each private run's own data set")
-    downstream_train: int = Field(2_500, gt=0)
-    downstream_test: int = Field(2_500, gt=0)
+    downstream_train: int = Field(2_500, gt=0, description="labelled training images of each downstream task")
+    downstream_test: int = Field(2_500, gt=0, description="test images of each downstream task")
+    split: Literal["held-out", "development"] = Field(
+        "held-out", description="the downstream tasks and training seeds: held-out scores, development chooses")
+    recipe: dict[str, Any] = Field(default_factory=dict, description="the vip-recipe arm's dotted overrides of the "
+                                   "DP stage (private.*, privacy.max_grad_norm, evaluation.*)")
     nonprivate_ceiling: bool = Field(False, description="also train MAE without DP on private images")
     probe_l2_grid: tuple[float, ...] = Field(L2_GRID, min_length=1)
     probe_folds: int = Field(3, ge=2)
     bootstrap_resamples: int = Field(2000, gt=0)
     block_probes: bool = Field(True, description="also probe each encoder block alone (a diagnostic, not a finding)")
-    data_seed: int = Field(1, description="the downstream set's generator seed (the synthetic stage's length was "
-                                          "chosen on seed 0's set, so the default experiment scores on another)")
 
     @model_validator(mode="after")
     def _batch_fits_private_set(self) -> "ReproduceConfig":
@@ -85,6 +137,34 @@ class ReproduceConfig(BaseModel):
         if len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"seeds must differ, got {self.seeds}")
         return self
+
+    @model_validator(mode="after")
+    def _seeds_in_split(self) -> "ReproduceConfig":
+        development = set(self.seeds) & set(DEVELOPMENT_SEEDS)
+        if self.split == "held-out" and development:
+            raise ValueError(f"seeds {sorted(development)} are development seeds: the held-out split scores on others")
+        if self.split == "development" and not development == set(self.seeds):
+            raise ValueError(f"split development trains on seeds from {DEVELOPMENT_SEEDS} only, got {self.seeds}")
+        return self
+
+    @model_validator(mode="after")
+    def _recipe_at_the_same_epsilon_and_compute(self) -> "ReproduceConfig":
+        outside = [key for key in self.recipe if not key.startswith(RECIPE_FIELDS) or key == "private.seed"]
+        if outside:
+            raise ValueError(f"recipe: {outside[0]} is not a field a recipe may set ({', '.join(RECIPE_FIELDS)} but "
+                             "the seed: the same ε, model, seed and synthetic checkpoint as the faithful arm)")
+        recipe, faithful = self.arm_config("vip-recipe", 0), self.seeded(0)
+        ratio = stage_flops(recipe.model, recipe.private) / stage_flops(faithful.model, faithful.private)
+        if abs(ratio - 1) > COMPUTE_TOLERANCE:
+            raise ValueError(f"recipe: its DP stage costs {ratio:.3f} x the faithful arm's FLOPs (tolerance "
+                             f"{COMPUTE_TOLERANCE:.0%}); with an augmentation multiplicity K, divide "
+                             "private.batch_size (or private.steps) by K")
+        return self
+
+    @property
+    def tasks(self) -> tuple[DownstreamTask, ...]:
+        """The downstream tasks every arm is probed on, in the report's order."""
+        return SPLITS[self.split]
 
     @property
     def arms(self) -> tuple[str, ...]:
@@ -106,15 +186,52 @@ class ReproduceConfig(BaseModel):
         """The config of the non-private ceiling: the private stage's sizes with privacy off."""
         return with_overrides(self.seeded(seed), {"privacy.enabled": False})
 
+    def arm_config(self, arm: str, seed: int) -> VipConfig:
+        """The pipeline config an arm of one seed trains (and is evaluated) with."""
+        if arm == "nonprivate-ceiling":
+            return self.ceiling(seed)
+        if arm == "vip-recipe":
+            return with_overrides(self.seeded(seed), self.recipe)
+        return self.seeded(seed)
+
+    def compute(self) -> dict[str, int]:
+        """Each encoder arm's training compute in FLOPs (forward and backward per image x images seen, every
+        stage it trained, :mod:`vip_core.models.flops`); random init and raw pixels train nothing."""
+        synthetic = stage_flops(self.vip.model, self.vip.synthetic)
+        flops = {"random-init": 0, "synthetic": synthetic}
+        for arm in PRIVATE_ARMS:
+            if arm in self.arms:
+                config = self.arm_config(arm, 0)
+                flops[arm] = stage_flops(config.model, config.private) + (synthetic if arm in WARM_STARTED else 0)
+        return flops
+
+    def describe_split(self) -> str:
+        """Which tasks and seeds chose the recipe and which score it, for the report."""
+        chosen = ", ".join(task.describe() for task in SPLITS["development"])
+        scored = ", ".join(task.describe() for task in SPLITS["held-out"])
+        here = "development: choosing the recipe" if self.split == "development" else "held-out: scoring"
+        return (f"Split {here}. Recipe chosen on: {chosen}; training seeds "
+                f"{', '.join(map(str, DEVELOPMENT_SEEDS))}. Scored on: {scored}; training seeds other than those "
+                f"(this run: {', '.join(map(str, self.seeds))}).")
+
 
 def reproduce() -> ReproduceConfig:
-    """``make reproduce``: two seeds, 46 minutes measured on this 2-core machine (docs/reproduce.md)."""
-    return ReproduceConfig()
+    """``make reproduce``: two seeds, the held-out split's three tasks, vip's recipe beside the faithful one;
+    about 50 minutes on this 2-core machine, estimated from the stages' measured times (docs/reproduce.md). The
+    per-block probes are left out: on three tasks they would cost 30 minutes more."""
+    return ReproduceConfig(recipe=VIP_RECIPE, block_probes=False)
+
+
+def reproduce_development() -> ReproduceConfig:
+    """The default experiment's sizes and recipe on the development split: for choosing the recipe."""
+    return ReproduceConfig(name="reproduce-development", split="development", seeds=DEVELOPMENT_SEEDS,
+                           recipe=VIP_RECIPE, block_probes=False)
 
 
 def reproduce_full() -> ReproduceConfig:
     """``make reproduce FULL=1``: 3,000 synthetic steps, the earlier prototype's DP stage (B = 2,048, 30 steps on
-    100,000 images), three seeds and the non-private ceiling."""
+    100,000 images), three seeds, the non-private ceiling and the per-block probes; the faithful recipe in both DP
+    arms (:data:`VIP_RECIPE`'s values are for the default's batch size)."""
     vip = with_overrides(vip_pico(), {
         "synthetic.steps": 3000, "synthetic.warmup_steps": 100, "private.batch_size": 2048, "private.steps": 30,
     })
@@ -123,7 +240,8 @@ def reproduce_full() -> ReproduceConfig:
 
 
 def reproduce_smoke() -> ReproduceConfig:
-    """Every arm at a size that runs in minutes: for tests, not for conclusions."""
+    """Every arm at a size that runs in minutes, the per-block probes off (the stage tests cover them): for tests,
+    not for conclusions."""
     vip = with_overrides(vip_pico(), {
         "name": "vip-pico-smoke", "data.render.num_images": 256, "data.render.size": 32,
         "data.render.images_per_program": 32,
@@ -134,11 +252,24 @@ def reproduce_smoke() -> ReproduceConfig:
     })
     return ReproduceConfig(name="reproduce-smoke", vip=vip, seeds=(0,), private_images=600, downstream_train=200,
                            downstream_test=200, nonprivate_ceiling=True, probe_l2_grid=(1e-2, 1e-1), probe_folds=2,
-                           bootstrap_resamples=200)
+                           bootstrap_resamples=200, block_probes=False)
+
+
+def with_recipe(experiment: ReproduceConfig, settings: list[str]) -> ReproduceConfig:
+    """``experiment`` with its recipe replaced by ``FIELD=VALUE`` settings (values read as YAML).
+
+    Raises:
+        ValueError: one line naming the malformed setting, or why the experiment refuses the recipe.
+    """
+    recipe = dict(parse_setting(text) for text in settings)
+    try:
+        return ReproduceConfig.model_validate({**experiment.model_dump(), "recipe": recipe})
+    except ValidationError as error:
+        raise ValueError(error.errors()[0]["msg"].removeprefix("Value error, ")) from None
 
 
 EXPERIMENTS: dict[str, Callable[[], ReproduceConfig]] = {
-    "default": reproduce, "full": reproduce_full, "smoke": reproduce_smoke,
+    "default": reproduce, "development": reproduce_development, "full": reproduce_full, "smoke": reproduce_smoke,
 }
 
 

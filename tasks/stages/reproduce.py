@@ -3,12 +3,14 @@ the offline data sets, the evaluation of every arm of one seed, and the report.
 
 * :func:`write_private_set`: unlabelled object images (``vip_core.data.objects``, the photographs' private
   region) as webdataset shards of PNGs, the pre-training stage's input. Each private run gets its own set.
-* :func:`write_downstream_set`: the labelled downstream set (the photographs' other region) in ImageFolder
-  layout (``train/<shape>/``, ``val/<shape>/``), the layout the evaluation jobs read.
+* :func:`write_downstream_set`: one labelled downstream task (``vip_core.data.downstream``: shapes on the
+  photographs' other region, procedural textures, counting) in ImageFolder layout (``train/<class>/``,
+  ``val/<class>/``), the layout the evaluation jobs read.
 * :func:`evaluate_seed`: the converged linear probe (``vip_core.eval.logistic``) on the mean-pooled patch
-  tokens of every block of each arm's encoder, and on raw pixels; whether each test example was right is
-  kept (``correct.npz``) for the paired statistics.
-* :func:`write_report`: the verdicts (``vip_core.reproduce.judge``), the Markdown table and the PNG plot.
+  tokens of every block of each arm's encoder, and on raw pixels, on one task; whether each test example was
+  right is kept (``correct.npz``) for the paired statistics.
+* :func:`write_report`: the verdicts per task (``vip_core.reproduce.judge``), the Markdown table and the PNG
+  plot.
 
 Each writes its folder whole (``vip_core.atomic``) with a ``result.json``; called again with the same
 settings it returns that result, with other settings it refuses (one line naming the folder).
@@ -27,8 +29,9 @@ import numpy as np
 import torch
 
 from vip_core.atomic import PARTIAL_SUFFIX, atomic_path, create_text, write_json
-from vip_core.data.objects import SHAPES, ObjectStyle, iter_objects
-from vip_core.reproduce import ARMS, ReproduceConfig, judge
+from vip_core.data.downstream import TASK_KINDS, generate_task
+from vip_core.data.objects import ObjectStyle, iter_objects
+from vip_core.reproduce import ARMS, DownstreamTask, ReproduceConfig, judge
 
 log = logging.getLogger(__name__)
 
@@ -112,27 +115,27 @@ def write_private_set(output: str | Path, count: int, seed: int, style: ObjectSt
     return _store(output, settings, {"output": str(output), "images": index})
 
 
-def write_downstream_set(output: str | Path, train: int, test: int, seed: int,
-                         style: ObjectStyle = ObjectStyle()) -> dict[str, Any]:
-    """A labelled ImageFolder set of the downstream region: ``train`` then ``test`` images; returns a summary."""
+def write_downstream_set(output: str | Path, task: DownstreamTask, train: int, test: int,
+                         size: int = 32) -> dict[str, Any]:
+    """A labelled ImageFolder set of one downstream task: ``train`` then ``test`` images of ``size`` px from
+    the task's generator at its data seed; returns a summary."""
     from PIL import Image
 
-    settings = {"kind": "downstream-set", "train": train, "test": test, "seed": seed, "style": asdict(style)}
+    settings = {"kind": "downstream-set", "task": task.kind, "train": train, "test": test, "seed": task.data_seed,
+                "size": size}
     if (done := _finished(output, settings)) is not None:
         return done
+    classes = TASK_KINDS[task.kind].classes
+    images, labels = generate_task(task.kind, train + test, task.data_seed, size)  # [N, S, S, 3], [N]
     with atomic_path(output) as staging:
         for split in ("train", "val"):
-            for shape in SHAPES:
-                (staging / split / shape).mkdir(parents=True)
-        for index, (image, label) in enumerate(_labelled(train + test, seed, style)):
+            for name in classes:
+                (staging / split / name).mkdir(parents=True)
+        for index, (image, label) in enumerate(zip(images, labels)):
             split = "train" if index < train else "val"
-            Image.fromarray(image).save(staging / split / SHAPES[label] / f"{index:06d}.png")
-    return _store(output, settings, {"output": str(output), "train": train, "val": test, "classes": len(SHAPES)})
-
-
-def _labelled(count: int, seed: int, style: ObjectStyle):
-    for images, labels in iter_objects(count, seed, "downstream", style):
-        yield from zip(images, labels)
+            Image.fromarray(image).save(staging / split / classes[label] / f"{index:06d}.png")
+    return _store(output, settings, {"output": str(output), "task": task.name, "train": train, "val": test,
+                                     "classes": len(classes)})
 
 
 def _finished(output: str | Path, settings: dict[str, Any]) -> dict[str, Any] | None:
@@ -233,7 +236,7 @@ def _encoder(experiment: ReproduceConfig, arm: str, seed: int, checkpoints: Mapp
     if arm != "random-init":
         if arm not in checkpoints:
             raise ValueError(f"checkpoints: no checkpoint for arm {arm!r} of seed {seed}")
-        return load_encoder(checkpoints[arm], experiment.vip.model)
+        return load_encoder(checkpoints[arm], experiment.arm_config(arm, seed).model)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         return export_encoder(build_mae(experiment.vip.model))
@@ -268,31 +271,45 @@ def _block_probes(experiment: ReproduceConfig, features, train_labels, test_labe
 # -------------------------------------------------------------------------------------------------- report
 
 
-def write_report(experiment: ReproduceConfig, evaluations: list[Mapping[str, Any]],
+def write_report(experiment: ReproduceConfig, evaluations: Mapping[str, list[Mapping[str, Any]]],
                  privacy: list[Mapping[str, Any]], output: str | Path) -> dict[str, Any]:
-    """Judges the findings on every seed's evaluation; writes the table (Markdown) and the plot (PNG).
+    """Judges the findings on every task, each on its seeds' evaluations; writes the table (Markdown) and the
+    plot (PNG).
 
     Args:
         experiment: the experiment.
-        evaluations: :func:`evaluate_seed`'s results, one per seed.
+        evaluations: per task name (``DownstreamTask.name``), :func:`evaluate_seed`'s results, one per seed and
+            one of the raw pixels.
         privacy: one entry per private run: ``arm``, ``seed``, ``epsilon``, ``delta``, ``noise_multiplier``,
             ``steps``, ``dataset_size``, ``sample_rate``.
         output: the report's folder.
 
     Returns:
-        ``{"arms", "findings"}`` of :func:`vip_core.reproduce.judge`, with ``seeds``, ``privacy``, ``table``
+        ``{"tasks": {name: {"description", "arms", "findings", "test_examples", "blocks"}}}`` (``arms`` and
+        ``findings`` of :func:`vip_core.reproduce.judge`), with ``split`` (which tasks and seeds chose the
+        recipe, which score it), ``recipe``, ``compute`` (FLOPs per arm), ``seeds``, ``privacy``, ``table``
         (Markdown), ``table_file`` and ``plot`` (the PNG's path).
     """
-    correct = _stacked(experiment, evaluations)
-    judged = judge(correct, experiment.bootstrap_resamples)
+    missing = [task.name for task in experiment.tasks if task.name not in evaluations]
+    if missing:
+        raise ValueError(f"no evaluations of tasks {missing}")
+    tasks = {task.name: _judge_task(experiment, task.describe(), evaluations[task.name]) for task in experiment.tasks}
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
-    report = {**judged, "seeds": list(experiment.seeds), "privacy": [dict(p) for p in privacy],
-              "test_examples": int(next(iter(correct.values())).shape[1]), "blocks": _block_means(evaluations)}
+    report = {"tasks": tasks, "split": experiment.describe_split(), "recipe": dict(experiment.recipe),
+              "compute": experiment.compute(), "seeds": list(experiment.seeds), "privacy": [dict(p) for p in privacy]}
     table = markdown_table(experiment, report)
     (output / TABLE_FILE).write_text(table + "\n")
     plot_results(report, output / PLOT_FILE)
     return {**report, "table": table, "table_file": str(output / TABLE_FILE), "plot": str(output / PLOT_FILE)}
+
+
+def _judge_task(experiment: ReproduceConfig, description: str, evaluations: list[Mapping[str, Any]]
+                ) -> dict[str, Any]:
+    """One task's arms and findings, with its test set's size and the per-block diagnostic."""
+    correct = _stacked(experiment, evaluations)
+    return {"description": description, **judge(correct, experiment.bootstrap_resamples),
+            "test_examples": int(next(iter(correct.values())).shape[1]), "blocks": _block_means(evaluations)}
 
 
 def _stacked(experiment: ReproduceConfig, evaluations: list[Mapping[str, Any]]) -> dict[str, np.ndarray]:
@@ -316,30 +333,51 @@ def _block_means(evaluations: list[Mapping[str, Any]]) -> dict[str, list[float]]
 
 
 def markdown_table(experiment: ReproduceConfig, report: Mapping[str, Any]) -> str:
-    """The arms (mean ± 95 % CI, per seed, difference to random init), the findings and their verdicts."""
-    arms, base = report["arms"], report["arms"]["random-init"]["mean"]
-    lines = [f"Downstream top-1 (converged linear probe on pooled tokens of all blocks; {report['test_examples']} "
-             f"test images, seeds {', '.join(map(str, report['seeds']))}; 95 % CI: paired bootstrap over test "
+    """Which tasks chose and which score, the recipe and each arm's compute; then per task the arms (mean ±
+    95 % CI, per seed, difference to random init), the findings and their verdicts; the private runs' privacy."""
+    lines = [report["split"], "", _recipe_line(report["recipe"]), "", _compute_line(report["compute"])]
+    for task in report["tasks"].values():
+        lines += ["", f"### {task['description']}", "", *_task_table(task, report["seeds"])]
+    lines += ["", *(_privacy_line(entry) for entry in report["privacy"])]
+    return "\n".join(lines)
+
+
+def _recipe_line(recipe: Mapping[str, Any]) -> str:
+    if not recipe:
+        return "vip-recipe: no overrides (the faithful recipe; finding 4 compares it with itself on other private sets)"
+    return "vip-recipe: " + ", ".join(f"{key} = {value!r}" for key, value in recipe.items())
+
+
+def _compute_line(compute: Mapping[str, int]) -> str:
+    """Each trained arm's FLOPs and the recipe's DP stage against the faithful arm's."""
+    trained = ", ".join(f"{arm} {flops:.3g}" for arm, flops in compute.items() if flops)
+    return ("Training compute (FLOPs, forward + backward per image x images seen, every stage an arm trained): "
+            f"{trained}; vip-recipe / dp-from-synthetic = {compute['vip-recipe'] / compute['dp-from-synthetic']:.3f}")
+
+
+def _task_table(task: Mapping[str, Any], seeds: list[int]) -> list[str]:
+    arms, base = task["arms"], task["arms"]["random-init"]["mean"]
+    lines = [f"Downstream top-1 (converged linear probe on pooled tokens of all blocks; {task['test_examples']} "
+             f"test images, seeds {', '.join(map(str, seeds))}; 95 % CI: paired bootstrap over test "
              "images, seeds averaged)", "",
              "| arm | top-1 | 95 % CI | per seed | vs random init |", "|---|---:|---:|---:|---:|"]
     for arm, value in arms.items():
-        seeds = " / ".join(f"{v:.3f}" for v in value["per_seed"])
-        lines.append(f"| {arm} | {value['mean']:.3f} | [{value['low']:.3f}, {value['high']:.3f}] | {seeds} | "
+        per_seed = " / ".join(f"{v:.3f}" for v in value["per_seed"])
+        lines.append(f"| {arm} | {value['mean']:.3f} | [{value['low']:.3f}, {value['high']:.3f}] | {per_seed} | "
                      f"{value['mean'] - base:+.3f} |")
     lines += ["", "| # | finding (fixed before running) | difference | 95 % CI | margin | verdict |",
               "|---|---|---:|---:|---:|---|"]
-    for finding in report["findings"]:
+    for finding in task["findings"]:
         d = finding["difference"]
         lines.append(f"| {finding['number']} | {finding['claim']} ({finding['arm']} - {finding['baseline']}) | "
                      f"{d['mean']:+.3f} | [{d['low']:+.3f}, {d['high']:+.3f}] | {finding['margin']:+.2f} | "
                      f"**{finding['verdict']}** |")
-    lines += ["", *(_privacy_line(entry) for entry in report["privacy"]), *_blocks_table(report)]
-    return "\n".join(lines)
+    return lines + _blocks_table(task)
 
 
-def _blocks_table(report: Mapping[str, Any]) -> list[str]:
+def _blocks_table(task: Mapping[str, Any]) -> list[str]:
     """The per-block diagnostic: each encoder arm's probe on every block alone beside all blocks together."""
-    blocks = report.get("blocks") or {}
+    blocks = task.get("blocks") or {}
     if not blocks:
         return []
     depth = len(next(iter(blocks.values())))
@@ -349,7 +387,7 @@ def _blocks_table(report: Mapping[str, Any]) -> list[str]:
              "|---|" + "---:|" * (depth + 1)]
     for arm, values in blocks.items():
         cells = " | ".join(f"{v:.3f}" for v in values)
-        lines.append(f"| {arm} | {cells} | {report['arms'][arm]['mean']:.3f} |")
+        lines.append(f"| {arm} | {cells} | {task['arms'][arm]['mean']:.3f} |")
     return lines
 
 
@@ -363,33 +401,45 @@ def _privacy_line(entry: Mapping[str, Any]) -> str:
 
 
 def plot_results(report: Mapping[str, Any], path: str | Path) -> Path:
-    """Two panels: each arm's top-1 with its CI and seeds; each finding's difference with its CI and margin."""
+    """Two panels per task: each arm's top-1 with its CI and seeds; each finding's difference with its CI and
+    margin."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    arms, findings = report["arms"], report["findings"]
-    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6), gridspec_kw={"width_ratios": [3, 2]})
-    names = list(arms)
-    for row, name in enumerate(names):
-        value = arms[name]
-        left.errorbar(value["mean"], row, xerr=[[value["mean"] - value["low"]], [value["high"] - value["mean"]]],
-                      fmt="o", color="C0", capsize=3)
-        left.scatter(value["per_seed"], [row] * len(value["per_seed"]), marker="x", color="C1", zorder=3)
-    left.set_yticks(range(len(names)), names)
-    left.invert_yaxis()
-    left.set_xlabel("downstream top-1 (o: mean, 95 % CI; x: seeds)")
-    for row, finding in enumerate(findings):
-        d = finding["difference"]
-        right.errorbar(d["mean"], row, xerr=[[d["mean"] - d["low"]], [d["high"] - d["mean"]]], fmt="o",
-                       color={"reproduced": "C2", "not reproduced": "C3"}.get(finding["verdict"], "C7"), capsize=3)
-        right.plot([finding["margin"]] * 2, [row - 0.3, row + 0.3], color="k", linewidth=1)
-    right.axvline(0, color="k", linewidth=0.5, linestyle=":")
-    right.set_yticks(range(len(findings)), [f"({f['number']}) {f['verdict']}" for f in findings])
-    right.invert_yaxis()
-    right.set_xlabel("difference of top-1 (| : margin)")
+    tasks = list(report["tasks"].values())
+    figure, axes = plt.subplots(len(tasks), 2, figsize=(10, 3.6 * len(tasks)), squeeze=False,
+                                gridspec_kw={"width_ratios": [3, 2]})
+    for (left, right), task in zip(axes, tasks):
+        _plot_arms(left, task["arms"])
+        _plot_findings(right, task["findings"])
+        left.set_title(task["description"], loc="left", fontsize=10)
     figure.tight_layout()
     figure.savefig(path, dpi=90)
     plt.close(figure)
     return Path(path)
+
+
+def _plot_arms(axis, arms: Mapping[str, Any]) -> None:
+    names = list(arms)
+    for row, name in enumerate(names):
+        value = arms[name]
+        axis.errorbar(value["mean"], row, xerr=[[value["mean"] - value["low"]], [value["high"] - value["mean"]]],
+                      fmt="o", color="C0", capsize=3)
+        axis.scatter(value["per_seed"], [row] * len(value["per_seed"]), marker="x", color="C1", zorder=3)
+    axis.set_yticks(range(len(names)), names)
+    axis.invert_yaxis()
+    axis.set_xlabel("downstream top-1 (o: mean, 95 % CI; x: seeds)")
+
+
+def _plot_findings(axis, findings: list[Mapping[str, Any]]) -> None:
+    for row, finding in enumerate(findings):
+        d = finding["difference"]
+        axis.errorbar(d["mean"], row, xerr=[[d["mean"] - d["low"]], [d["high"] - d["mean"]]], fmt="o",
+                      color={"reproduced": "C2", "not reproduced": "C3"}.get(finding["verdict"], "C7"), capsize=3)
+        axis.plot([finding["margin"]] * 2, [row - 0.3, row + 0.3], color="k", linewidth=1)
+    axis.axvline(0, color="k", linewidth=0.5, linestyle=":")
+    axis.set_yticks(range(len(findings)), [f"({f['number']}) {f['verdict']}" for f in findings])
+    axis.invert_yaxis()
+    axis.set_xlabel("difference of top-1 (| : margin)")
