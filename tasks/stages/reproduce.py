@@ -236,7 +236,8 @@ def _encoder(experiment: ReproduceConfig, arm: str, seed: int, checkpoints: Mapp
     if arm != "random-init":
         if arm not in checkpoints:
             raise ValueError(f"checkpoints: no checkpoint for arm {arm!r} of seed {seed}")
-        return load_encoder(checkpoints[arm], experiment.arm_config(arm, seed).model)
+        config = experiment.arm_config(arm, seed)
+        return load_encoder(checkpoints[arm], config.model, weights=config.evaluation.encoder_weights)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         return export_encoder(build_mae(experiment.vip.model))

@@ -41,3 +41,5 @@ def test_training_counts_forward_and_backward_for_every_image_seen_each_multipli
 @pytest.mark.parametrize("multiplicity, batch", [(2, 32), (4, 16)])
 def test_multiplicity_k_at_a_k_times_smaller_batch_costs_the_same(multiplicity, batch):
     assert training_flops(TINY, images=batch * 5, multiplicity=multiplicity) == training_flops(TINY, images=64 * 5)
+    stage = TrainingConfig(batch_size=batch, physical_batch_size=batch, steps=5, augmentation_multiplicity=multiplicity)
+    assert stage_flops(TINY, stage) == training_flops(TINY, images=64 * 5)

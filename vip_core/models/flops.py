@@ -44,6 +44,5 @@ def training_flops(model: ModelConfig, images: int, multiplicity: int = 1) -> in
 
 def stage_flops(model: ModelConfig, training: TrainingConfig) -> int:
     """FLOPs of one pre-training stage: ``steps`` x the expected batch ``batch_size`` images, each seen as often
-    as the stage's augmentation multiplicity says (1 where the configuration has none)."""
-    multiplicity = getattr(training, "augmentation_multiplicity", 1)
-    return training_flops(model, training.steps * training.batch_size, multiplicity)
+    as the stage's augmentation multiplicity says."""
+    return training_flops(model, training.steps * training.batch_size, training.augmentation_multiplicity)
