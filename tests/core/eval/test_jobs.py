@@ -58,7 +58,7 @@ def test_dp_finetune_reports_the_privacy_spent_within_the_target(digits, tmp_pat
 
 def test_dp_finetune_leaves_out_damaged_images_and_takes_an_empty_sample(digits, tmp_path):
     """A damaged image in the private set is a null sample, as in pre-training: a failed job would tell that it was
-    sampled (the seventh review). Every image is sampled here (q = 1)."""
+    sampled. Every image is sampled here (q = 1)."""
     import shutil
 
     from vip_core.eval.dp_finetune import _gather

@@ -321,7 +321,7 @@ class LeaksNonFiniteRows(nn.Module):
 
 
 def test_a_non_finite_sample_spread_into_its_neighbours_does_not_drop_them():
-    """The seventh review: one NaN sample made its neighbours' norms NaN and dropped them (3.77 C)."""
+    """One NaN sample must not make its neighbours' norms NaN and drop them."""
     torch.manual_seed(0)
     model, x = LeaksNonFiniteRows(), torch.randn(5, 4)
     bad = x.clone()
@@ -346,7 +346,7 @@ class OverflowsOnItsLastRow(nn.Module):
 
 
 def test_a_padding_row_that_overflows_leaves_the_sum_finite():
-    """The seventh review: a padding row's factor 0 times its infinite gradient made the whole step NaN."""
+    """A padding row's factor 0 times its infinite gradient must not make the whole step NaN."""
     torch.manual_seed(0)
     model, x = OverflowsOnItsLastRow(), torch.randn(3, 4)
     padded = engine_grads(model, lambda m, b: m(b), x, 0.5, physical=4)
@@ -963,7 +963,7 @@ def _filled(pixels):
 ], ids=["permute", "movedim", "transpose", "permute-keyword", "crop", "slice", "setitem"])
 def test_pixels_reordered_or_copied_before_a_batch_statistic_are_refused(to_float):
     """A reordering that keeps the batch on dim 0 is followed, and a float buffer the pixels are copied into is
-    watched (the seventh review: accepted, 2.96-3.61 C)."""
+    watched."""
     pixels = torch.randint(0, 256, (6, 4, 4, 3), dtype=torch.uint8)
 
     def loss(model, inputs):
@@ -986,8 +986,8 @@ def _channels_swapped(pixels):
 @pytest.mark.parametrize("to_float", [_per_image_loop, _channels_swapped], ids=["per-image-loop", "channels-swapped"])
 def test_an_honest_model_is_accepted_whatever_the_batch_size(batch, to_float):
     """``pixels[i]`` of CHW images is ``[3, H, W]``, and a stack of their channels ``[3, B, H, W]``: with 3 samples
-    either looked like the batch, was followed and seemed mixed, so the step failed exactly when 3 images were
-    sampled (the eighth and ninth reviews)."""
+    either looks like the batch; followed as one it would seem mixed, and the step would fail exactly when 3 images
+    are sampled."""
     pixels = torch.randint(0, 256, (batch, 3, 4, 4), dtype=torch.uint8)
 
     def loss(model, inputs):

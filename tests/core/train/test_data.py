@@ -156,7 +156,7 @@ def test_a_damaged_image_decodes_as_zeros_marked_not_usable(damaged_shards):
 
 
 def test_bytes_a_format_plugin_cannot_handle_are_a_damaged_image_not_a_failed_stage():
-    """A DDS header with pixel format 0 makes PIL raise NotImplementedError (the seventh review's fuzzing): the
+    """A DDS header with pixel format 0 makes PIL raise NotImplementedError: the
     author of the data chooses the bytes, and a failed stage would tell that the image was sampled."""
     header = bytearray(128)
     header[0:4] = b"DDS "
@@ -168,7 +168,7 @@ def test_bytes_a_format_plugin_cannot_handle_are_a_damaged_image_not_a_failed_st
 
 def test_an_image_that_makes_pil_warn_decodes_without_a_word_in_the_log():
     """A palette PNG with byte transparency makes PIL warn; printed only when the image is sampled, the warning would
-    tell the worker's log that it was (the eighth review). In a fresh process, as a worker decodes."""
+    tell the worker's log that it was. In a fresh process, as a worker decodes."""
     code = (
         "import io\nfrom PIL import Image\nfrom vip_core.train.data import decode_pixels\n"
         "image = Image.new('P', (40, 40)); image.putpalette([i % 256 for i in range(768)])\n"
