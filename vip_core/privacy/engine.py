@@ -44,7 +44,7 @@ from torch.profiler import record_function
 from vip_core.privacy import numerics, per_sample
 from vip_core.privacy.buffer import GradientBuffer, StepNoise, idle_cores, noise_pool
 from vip_core.privacy.layout import (
-    Inputs, LayoutCheck, LossFn, UnsupportedLayerError, WriteGuard, per_sample_losses, stand_ins, tree_state,
+    Inputs, LayoutCheck, LossFn, UnsupportedLayerError, WriteGuard, per_sample_losses, stand_ins,
 )
 from vip_core.privacy.numerics import Numerics
 from vip_core.privacy.per_sample import Layer, Norms, Record
@@ -139,8 +139,6 @@ class DPEngine:
     def _plan(self) -> None:
         """Plans the model as it is now: its rules, gradient buffer, layout check and write guard."""
         model = self.model
-        self.modules = list(model.modules())  # held: their ids cannot be reused
-        self.structure = tree_state(self.modules)
         self.plan = plan_model(model)
         self.buffer = GradientBuffer(self.plan.params)
         self.layout = LayoutCheck([(layer.name, layer.module) for layer in self.plan.layers], self.plan.plain)
@@ -151,7 +149,7 @@ class DPEngine:
     def clipped_sum(self, *, noise_multiplier: float = 0.0, noise: RandomStream | None = None) -> ClippedGradientSum:
         """A new logical batch's sum, its noise drawn into the buffer (a sum not privatized yet is given up). A model
         whose parameters were frozen or unfrozen since it was planned is planned again."""
-        if tree_state(self.modules) != self.structure:
+        if self.guard.moved():
             self._plan()  # a module or parameter replaced, frozen, unfrozen, or moved since
         for name, module in self.plan.batch_norms:
             _reject_batch_norm(name, module)  # a model may be put in training mode after it was planned

@@ -200,10 +200,14 @@ class WriteGuard:
                    for _, module in self.modules]
         return buffers, [param._version for _, param in self.params]
 
+    def moved(self) -> bool:
+        """Whether a module or parameter was added to, replaced in, frozen, unfrozen or moved in the model since the
+        guard was made (with the engine's plan)."""
+        return tree_state(self.tree) != self.structure
+
     def check_structure(self) -> None:
-        """Refuses a module or parameter added to, replaced in, frozen, unfrozen or moved in the model since it was
-        planned, by its forwards or backward or between the microbatches of one sum."""
-        if tree_state(self.tree) != self.structure:
+        """Refuses such a change made by the forwards or backward, or between the microbatches of one sum."""
+        if self.moved():
             raise UnsupportedLayerError(
                 "a module or parameter was added to, replaced in, frozen, unfrozen or moved in the model while "
                 "training on private data (a lazily created layer, a weight re-made from an input): it could hold "

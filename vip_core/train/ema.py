@@ -25,8 +25,8 @@ class WeightAverage:
     @torch.no_grad()
     def update(self, model: nn.Module) -> None:
         """Moves the average towards ``model``'s current weights: one call after each optimiser step."""
-        for name, value in model.state_dict().items():
-            self.average[name].lerp_(value, 1.0 - self.decay)
+        weights = model.state_dict()
+        torch._foreach_lerp_(list(self.average.values()), [weights[name] for name in self.average], 1.0 - self.decay)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The average, under the model's state-dict keys."""
