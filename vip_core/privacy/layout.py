@@ -290,24 +290,30 @@ class _WatchConversions(TorchFunctionMode):
         return isinstance(tensor, torch.Tensor) and self.sources.get(id(tensor), (None, None))[1] is tensor
 
     def _keeps_rows(self, func: Any, args: tuple, kwargs: dict) -> bool:
-        """Whether row j of ``func``'s result is row j of the inputs it rearranges and nothing else: the same call with
-        each followed operand replaced by its row ids (row i holds i) must give row j holding j alone. Where a
-        followed tensor is not the operand (``table[indices]``), the result's rows are the index's: kept."""
+        """Whether each element of ``func``'s row j comes from row j of the inputs it rearranges, or from none of them
+        (a constant such as coordinate channels): the same call with each followed operand replaced by its row ids
+        (row i holds i), then by its row ids plus B, must move an element by B exactly where it holds j, and leave
+        it alone elsewhere. Where a followed tensor is not the operand (``table[indices]``), the rows are the index's."""
         operand = _operand(args, kwargs)
         operands = operand if isinstance(operand, (list, tuple)) else (operand,)
         if not any(self._follows(t) for t in operands):
             return True
-        probe = [_row_ids(t) if self._follows(t) else t for t in operands]
-        probe = type(operand)(probe) if isinstance(operand, (list, tuple)) else probe[0]
         kwargs = {key: value for key, value in kwargs.items() if key != "out"}  # never write into the model's tensor
-        try:
-            result = func(probe, *args[1:], **kwargs) if args else func(**{**kwargs, "input": probe})
-        except (IndexError, RuntimeError, TypeError, ValueError):
-            return False
-        if not isinstance(result, torch.Tensor) or result.dim() == 0 or result.shape[0] != self.batch:
-            return False
-        rows = torch.arange(self.batch, device=result.device).view(-1, *[1] * (result.dim() - 1))
-        return bool((result == rows).all())
+        key = "tensors" if "tensors" in kwargs else "input"
+        results = []
+        for shift in (0, self.batch):
+            probe = [_row_ids(t) + shift if self._follows(t) else t for t in operands]
+            probe = probe if isinstance(operand, (list, tuple)) else probe[0]
+            try:
+                result = func(probe, *args[1:], **kwargs) if args else func(**{**kwargs, key: probe})
+            except (IndexError, RuntimeError, TypeError, ValueError):
+                return False
+            if not isinstance(result, torch.Tensor) or result.dim() == 0 or result.shape[0] != self.batch:
+                return False
+            results.append(result)
+        rows = torch.arange(self.batch, device=results[0].device).view(-1, *[1] * (results[0].dim() - 1))
+        own = (results[0] == rows) & (results[1] == rows + self.batch)
+        return bool((own | (results[0] == results[1])).all())
 
     @property
     def unwatched(self) -> list[str]:
@@ -331,8 +337,8 @@ def _row_ids(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _operand(args: tuple, kwargs: dict) -> Any:
-    """The tensor a method or torch function acts on: its first argument, or ``input=``."""
-    return args[0] if args else kwargs.get("input")
+    """The tensor (or tensors) a method or torch function acts on: its first argument, ``input=`` or ``tensors=``."""
+    return args[0] if args else kwargs.get("input", kwargs.get("tensors"))
 
 
 def _function_name(func: Any) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import math
 import re
 
@@ -959,8 +960,9 @@ def _filled(pixels):
     lambda p: torch.permute(input=p, dims=(0, 3, 1, 2)).float(),
     lambda p: p[torch.arange(p.shape[0])[:, None, None], torch.arange(4)[:, None], torch.arange(4)].float(),  # crop
     lambda p: p[: p.shape[0]].float(),
+    lambda p: torch.cat([p, torch.zeros(p.shape[0], 4, 4, 1)], -1)[..., :3],  # coordinate channels, float by cat
     _filled,  # a float buffer filled from the pixels
-], ids=["permute", "movedim", "transpose", "permute-keyword", "crop", "slice", "setitem"])
+], ids=["permute", "movedim", "transpose", "permute-keyword", "crop", "slice", "cat-constant", "setitem"])
 def test_pixels_reordered_or_copied_before_a_batch_statistic_are_refused(to_float):
     """A reordering that keeps the batch on dim 0 is followed, and a float buffer the pixels are copied into is
     watched."""
@@ -982,8 +984,19 @@ def _channels_swapped(pixels):
     return torch.stack([pixels[:, 2], pixels[:, 1], pixels[:, 0]]).float().permute(1, 0, 2, 3) / 255  # [B, 3, H, W]
 
 
+def _channels_stacked_by_keyword(pixels):
+    return torch.stack(tensors=[pixels[:, 2], pixels[:, 1], pixels[:, 0]]).float().permute(1, 0, 2, 3) / 255
+
+
+def _halves_in_a_named_tuple(pixels):
+    halves = collections.namedtuple("Halves", "top bottom")(pixels[:, :2], pixels[:, 2:])
+    return torch.cat(halves, 1).float() / 255
+
+
+@pytest.mark.parametrize("to_float", [_per_image_loop, _channels_swapped, _channels_stacked_by_keyword,
+                                      _halves_in_a_named_tuple],
+                         ids=["per-image-loop", "channels-swapped", "stack-keyword", "named-tuple"])
 @pytest.mark.parametrize("batch", [2, 3, 4])
-@pytest.mark.parametrize("to_float", [_per_image_loop, _channels_swapped], ids=["per-image-loop", "channels-swapped"])
 def test_an_honest_model_is_accepted_whatever_the_batch_size(batch, to_float):
     """``pixels[i]`` of CHW images is ``[3, H, W]``, and a stack of their channels ``[3, B, H, W]``: with 3 samples
     either looks like the batch; followed as one it would seem mixed, and the step would fail exactly when 3 images
