@@ -207,6 +207,19 @@ def test_by_default_the_position_embeddings_are_frozen_and_stay_bit_identical(sh
     assert not torch.equal(run.model.blocks[0].attn.qkv.weight, blocks)
 
 
+def test_a_resume_with_the_position_embeddings_flipped_is_refused_naming_the_field(shards, tmp_path):  # noqa: F811
+    from tasks.stages.pretrain import stage_plan
+    from vip_core.train.data import measure_shards
+
+    config = tiny_config(**{"privacy.noise_multiplier": None, "privacy.target_epsilon": 8.0})
+    stage_plan(config, "private", measure_shards(shards), tmp_path, continuing=False)
+    flipped = with_overrides(config, {"private.train_pos_embed": True})
+    with pytest.raises(ValueError, match="resume refused: the run was planned with private.train_pos_embed=false, "
+                                         "the configuration now gives true"):
+        stage_plan(flipped, "private", measure_shards(shards), tmp_path, continuing=True)
+    assert stage_plan(config, "private", measure_shards(shards), tmp_path, continuing=True)["train_pos_embed"] is False
+
+
 # ------------------------------------------------------------------------------------------------ moving average
 
 
