@@ -334,9 +334,10 @@ def _block_means(evaluations: list[Mapping[str, Any]]) -> dict[str, list[float]]
 
 
 def markdown_table(experiment: ReproduceConfig, report: Mapping[str, Any]) -> str:
-    """Which tasks chose and which score, the recipe and each arm's compute; then per task the arms (mean ±
+    """Which tasks chose and which score, the recipe, each arm's compute and every verdict; then per task the arms (mean ±
     95 % CI, per seed, difference to random init), the findings and their verdicts; the private runs' privacy."""
-    lines = [report["split"], "", _recipe_line(report["recipe"]), "", _compute_line(report["compute"])]
+    lines = [report["split"], "", _recipe_line(report["recipe"]), "", _compute_line(report["compute"]), "",
+             *_verdicts_table(report["tasks"])]
     for task in report["tasks"].values():
         lines += ["", f"### {task['description']}", "", *_task_table(task, report["seeds"])]
     lines += ["", *(_privacy_line(entry) for entry in report["privacy"])]
@@ -354,6 +355,22 @@ def _compute_line(compute: Mapping[str, int]) -> str:
     trained = ", ".join(f"{arm} {flops:.3g}" for arm, flops in compute.items() if flops)
     return ("Training compute (FLOPs, forward + backward per image x images seen, every stage an arm trained): "
             f"{trained}; vip-recipe / dp-from-synthetic = {compute['vip-recipe'] / compute['dp-from-synthetic']:.3f}")
+
+
+def _verdicts_table(tasks: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """Every finding's difference, interval and verdict, one column per task."""
+    columns = list(tasks.values())
+    lines = ["| # | finding (A - B > margin) | " + " | ".join(task["description"] for task in columns) + " |",
+             "|---|---|" + "---|" * len(columns)]
+    for index, finding in enumerate(columns[0]["findings"]):
+        cells = []
+        for task in columns:
+            judged = task["findings"][index]
+            d = judged["difference"]
+            cells.append(f"{d['mean']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}] **{judged['verdict']}**")
+        lines.append(f"| {finding['number']} | {finding['arm']} - {finding['baseline']} > {finding['margin']:+.2f} | "
+                     + " | ".join(cells) + " |")
+    return lines
 
 
 def _task_table(task: Mapping[str, Any], seeds: list[int]) -> list[str]:

@@ -135,6 +135,14 @@ def test_every_task_is_probed_and_the_report_gives_five_findings_per_task(tmp_pa
     for section in sections:
         rows = [line for line in section.splitlines() if line.startswith(tuple(f"| {f.number} | " for f in FINDINGS))]
         assert len(rows) == 5 and all("**" in row for row in rows)
+    head = report["table"].split("### ")[0]  # the verdicts table: one row per finding, one column per task
+    rows = [line.removesuffix(" |").split(" | ") for line in head.splitlines() if line.startswith("| ")]
+    assert rows[0][2:] == ["shapes (data seed 1)", "textures (data seed 1)", "counting (data seed 1)"]
+    assert [row[1] for row in rows[1:]] == [f"{f.arm} - {f.baseline} > {f.margin:+.2f}" for f in FINDINGS]
+    for column, task in enumerate(experiment.tasks, start=2):
+        for row, finding in zip(rows[1:], report["tasks"][task.name]["findings"], strict=True):
+            assert row[column].startswith(f"{finding['difference']['mean']:+.3f} [")
+            assert row[column].endswith(f"**{finding['verdict']}**")
     assert report["table"].startswith("Split held-out: scoring. Recipe chosen on: shapes (data seed 0), textures")
     assert "Training compute (FLOPs" in report["table"] and "vip-recipe / dp-from-synthetic = 1.000" in report["table"]
     assert report["compute"]["vip-recipe"] == report["compute"]["dp-from-synthetic"] > report["compute"]["synthetic"]
