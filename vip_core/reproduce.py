@@ -20,6 +20,7 @@ intervals (:mod:`vip_core.eval.paired`), per task.
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Mapping
 
@@ -173,10 +174,13 @@ class ReproduceConfig(BaseModel):
 
     def private_set_seed(self, arm: str, seed: int) -> int:
         """The object generator's seed of the private set of ``arm`` at ``seed``: a hash of the experiment's name
-        and size, the arm and the seed, so that no two runs share images (the generator draws a smaller set as
-        the prefix of a larger one with the same seed, and a ledger cannot tell a prefix from new data)."""
-        key = f"{self.name}/{self.private_images}/{PRIVATE_ARMS.index(arm)}/{seed}".encode()
-        return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1
+        and size, the arm and the seed (and for ``vip-recipe``, the recipe), so that no two runs share images (the
+        generator draws a smaller set as the prefix of a larger one with the same seed, and a ledger cannot tell
+        a prefix from new data); trying recipes one after another trains each on a set of its own."""
+        key = f"{self.name}/{self.private_images}/{PRIVATE_ARMS.index(arm)}/{seed}"
+        if arm == "vip-recipe" and self.recipe:  # each candidate recipe is a release of its own set, not a retry
+            key += "/" + json.dumps(self.recipe, sort_keys=True)
+        return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") >> 1
 
     def seeded(self, seed: int) -> VipConfig:
         """The pipeline config of one seed: both stages start from ``torch.manual_seed(seed)``'s weights."""

@@ -29,6 +29,15 @@ def test_every_private_run_has_its_own_data_set_and_both_stages_share_the_seed()
     assert not experiment.ceiling(7).privacy.enabled
 
 
+def test_each_candidate_recipe_trains_on_a_private_set_of_its_own_and_the_other_arms_keep_theirs():
+    faithful = reproduce_development()
+    candidates = [with_recipe(faithful, settings) for settings in (["private.lr=0.002"], ["private.lr=0.003"])]
+    recipe_sets = {e.private_set_seed("vip-recipe", seed) for e in (faithful, *candidates) for seed in e.seeds}
+    assert len(recipe_sets) == 3 * len(faithful.seeds)
+    for arm in ("dp-from-synthetic", "dp-from-random"):
+        assert {e.private_set_seed(arm, 100) for e in (faithful, *candidates)} == {faithful.private_set_seed(arm, 100)}
+
+
 def test_a_batch_larger_than_the_private_set_is_refused():
     with pytest.raises(ValueError, match="exceeds private_images"):
         ReproduceConfig(private_images=100)
