@@ -145,18 +145,27 @@ class LayoutCheck:
         it into floating point (:class:`_WatchConversions`). NaN entries (0 · log 0) are passed over; a model that
         cannot run on inputs requiring grad (``.numpy()``) is not checked here, and a warning says so. False when the
         microbatch proves nothing (a loss not finite)."""
-        watched_inputs, leaves = _watched_inputs(inputs)
-        conversions = _WatchConversions(inputs, batch)
+        # at the data's own point, then at a nearby generic one: crafted data can hide a dependence at its own point
+        # (identical images: a batch std of 0 whose sqrt turns every other row's entry into NaN, passed over; blank
+        # first and last images, whose x / x.amax() is 0 whatever the max)
+        return all([self._check_inputs_at(model, loss_fn, inputs, batch, jitter) for jitter in (False, True)])
+
+    def _check_inputs_at(self, model: nn.Module, loss_fn: LossFn, inputs: Inputs, batch: int,
+                         jitter: bool) -> bool:
+        """One input check; with ``jitter`` at a nearby generic point (each watched entry moved by a small positive
+        deterministic offset)."""
+        watched_inputs, leaves = _watched_inputs(inputs, jitter)
+        conversions = _WatchConversions(inputs, batch, jitter)
         per_sample = []
         try:
             with conversions:
                 losses = per_sample_losses(model, loss_fn, watched_inputs, stand_ins(self.plain, batch), batch)
             leaves = leaves + conversions.leaves
-            if conversions.unwatched:
+            if conversions.unwatched and not jitter:
                 logger.warning("the per-sample layout check could not watch the integer inputs %s: the model never "
                                "made them floating point with the batch on dim 0 inside torch (e.g. it indexed a data "
-                               "set with Python integers), so samples mixed after them cannot be seen "
-                               "(docs/privacy.md, rule 5)", ", ".join(conversions.unwatched))
+                               "set with Python integers, or mixed them with other rows before), so samples mixed "
+                               "after them cannot be seen (docs/privacy.md, rule 5)", ", ".join(conversions.unwatched))
             if not leaves:
                 return True
             for sample in _checked_samples(batch):
@@ -255,9 +264,13 @@ class _WatchConversions(TorchFunctionMode):
     after the input, is added to that result (the graph through it kept), so the input check can see the samples'
     rows mixed after it."""
 
-    def __init__(self, inputs: Inputs, batch: int) -> None:
+    def __init__(self, inputs: Inputs, batch: int, jitter: bool = False) -> None:
         super().__init__()
         self.batch = batch
+        self.jitter = jitter
+        # id -> tensor: results computed from a followed tensor whose rows are not (or not known to be) the samples
+        # (p.flip(0), p.min(0), p[i], a list of per-image copies): what they flow into is not followed either
+        self.mixed: dict[int, torch.Tensor] = {}
         # id -> (name, tensor): the tensor is held, so that its id cannot be reused by another
         self.sources = {id(t): (name, t) for name, t in _named_tensors(inputs)
                         if not (t.is_floating_point() or t.is_complex())}
@@ -268,17 +281,23 @@ class _WatchConversions(TorchFunctionMode):
         out = func(*args, **(kwargs or {}))
         operands = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
         sources = [self.sources[id(a)][0] for a in operands if id(a) in self.sources and self.sources[id(a)][1] is a]
+        mixed = any(self.mixed.get(id(a)) is a for a in operands)
         name = _function_name(func)
         written = args[0] if name == "__setitem__" else out  # ``buf[:] = pixels`` fills ``buf``, returns None
-        if (not sources or not isinstance(written, torch.Tensor) or written.dim() == 0
-                or written.shape[0] != self.batch
-                or (name in _REARRANGES and not self._keeps_rows(func, args, kwargs or {}))):
+        if not sources and not mixed:
+            return out
+        if (mixed or not isinstance(written, torch.Tensor) or written.dim() == 0 or written.shape[0] != self.batch
+                or (name in _REARRANGES and not self._keeps_rows(func, name, args, kwargs or {}, written))):
+            for tensor in tree_leaves(written if isinstance(written, torch.Tensor) else out):
+                if isinstance(tensor, torch.Tensor):
+                    self.mixed[id(tensor)] = tensor
+                    self.sources.pop(id(tensor), None)
             return out
         out = written
         if not (out.is_floating_point() or out.is_complex()):
             self.sources[id(out)] = (sources[0], out)  # still integer: follow it
             return out
-        leaf = torch.zeros_like(out).requires_grad_()
+        leaf = (_jitter(out) if self.jitter else torch.zeros_like(out)).requires_grad_()
         self.leaves.append((f"{sources[0]} (made floating point by {name})", leaf))
         self.watched.add(sources[0])
         if any(out is a for a in operands):  # in place or out=: the model goes on with that very tensor
@@ -289,11 +308,18 @@ class _WatchConversions(TorchFunctionMode):
     def _follows(self, tensor: Any) -> bool:
         return isinstance(tensor, torch.Tensor) and self.sources.get(id(tensor), (None, None))[1] is tensor
 
-    def _keeps_rows(self, func: Any, args: tuple, kwargs: dict) -> bool:
+    def _keeps_rows(self, func: Any, name: str, args: tuple, kwargs: dict, written: torch.Tensor) -> bool:
         """Whether each element of ``func``'s row j comes from row j of the inputs it rearranges, or from none of them
         (a constant such as coordinate channels): the same call with each followed operand replaced by its row ids
         (row i holds i), then by its row ids plus B, must move an element by B exactly where it holds j, and leave
         it alone elsewhere. Where a followed tensor is not the operand (``table[indices]``), the rows are the index's."""
+        if name in ("view", "view_as") and written.dim() >= 2 and (
+                (len(args) == 2 and isinstance(args[1], torch.dtype)) or isinstance(kwargs.get("dtype"), torch.dtype)):
+            return True  # a dtype view regroups the last dim only (the id probe's int32 would overflow an int8)
+        if name == "einsum":  # the equation first, then the operands (or a list of them)
+            equation, rest = args[0], args[1:]
+            operand = rest[0] if len(rest) == 1 and isinstance(rest[0], (list, tuple)) else list(rest)
+            func, args = (lambda ops, *_, **kw: torch.einsum(equation, *ops)), (operand,)
         operand = _operand(args, kwargs)
         operands = operand if isinstance(operand, (list, tuple)) else (operand,)
         if not any(self._follows(t) for t in operands):
@@ -327,7 +353,17 @@ class _WatchConversions(TorchFunctionMode):
 # is not, whatever its shape says).
 _REARRANGES = frozenset({"T", "mT", "H", "mH", "t", "transpose", "permute", "movedim", "moveaxis", "swapaxes",
                          "swapdims", "__getitem__", "select", "narrow", "index_select", "gather", "stack", "cat",
-                         "concat", "concatenate", "reshape", "view", "flatten", "unflatten", "expand", "repeat"})
+                         "concat", "concatenate", "reshape", "view", "flatten", "unflatten", "expand", "repeat",
+                         "einsum", "flip", "flipud", "fliplr", "roll", "rot90", "tile", "take_along_dim"})
+
+
+def _jitter(tensor: torch.Tensor) -> torch.Tensor:
+    """A small positive offset per entry, the same on every call (a generator of its own: the user's stream is left
+    alone), relative to the entry's size."""
+    generator = torch.Generator().manual_seed(0)
+    offset = torch.rand(tensor.shape, generator=generator, dtype=torch.float64)
+    size = tensor.detach().abs().double().cpu() if tensor.is_floating_point() or tensor.is_complex() else 0.0
+    return (1e-2 * offset * (1 + size)).to(dtype=tensor.dtype, device=tensor.device)
 
 
 def _row_ids(tensor: torch.Tensor) -> torch.Tensor:
@@ -376,7 +412,7 @@ def _keep_output(name: str, outputs: list[tuple[str, torch.Tensor]]) -> Callable
     return hook
 
 
-def _watched_inputs(inputs: Inputs) -> tuple[Inputs, list[tuple[str, torch.Tensor]]]:
+def _watched_inputs(inputs: Inputs, jitter: bool = False) -> tuple[Inputs, list[tuple[str, torch.Tensor]]]:
     """``inputs`` with each floating-point or complex tensor replaced by a copy of a new leaf that requires grad (a
     copy, so that the model may still write into it in place), and those leaves by name (``input``, ``input[k]``)."""
     leaves: list[tuple[str, torch.Tensor]] = []
@@ -384,7 +420,7 @@ def _watched_inputs(inputs: Inputs) -> tuple[Inputs, list[tuple[str, torch.Tenso
     def watched(name: str, tensor: torch.Tensor) -> torch.Tensor:
         if not (tensor.is_floating_point() or tensor.is_complex()):
             return tensor
-        leaf = tensor.detach().requires_grad_()
+        leaf = (tensor.detach() + _jitter(tensor) if jitter else tensor.detach()).requires_grad_()
         leaves.append((name, leaf))
         return leaf.clone()
 

@@ -1228,3 +1228,55 @@ def test_on_cuda_the_tensor_cores_pass_the_probe_and_removing_a_sample_moves_the
 
     for removed in (0, 2, 5):
         assert leave_one_out(model, loss, (images, labels), 0.01, removed) <= 0.01 * (1 + 1e-5)
+
+
+def _standardised_by_hand(model, pixels):
+    x = pixels.float() / 255
+    mean = x.mean(0)
+    return model(((x - mean) / (((x - mean) ** 2).mean(0).sqrt() + 1e-6)).flatten(1)).sum(-1)
+
+
+def _scaled_by_the_batch_max(model, pixels):
+    x = pixels.float()
+    return ((model((x / x.amax().clamp_min(1.0)).flatten(1)) - 1) ** 2).sum(-1)
+
+
+@pytest.mark.parametrize("loss_fn, first", [
+    (_standardised_by_hand, lambda p: p[:1].expand_as(p).clone()),  # identical images: sqrt(0)' gives NaN, not 0
+    (_scaled_by_the_batch_max, lambda p: torch.cat([p[:1] * 0, p[1:-1], p[:1] * 0])),  # blank first and last images
+], ids=["identical-images", "blank-ends"])
+def test_crafted_images_in_the_checked_microbatch_do_not_hide_a_batch_statistic(loss_fn, first):
+    pixels = torch.randint(1, 256, (8, 2, 2, 3), dtype=torch.uint8)  # 8: the mean of equal values is exact
+    with pytest.raises(UnsupportedLayerError, match=r"rows of input \(made floating point by float\)"):
+        engine_grads(nn.Linear(12, 1), loss_fn, first(pixels), 1.0)
+
+
+@pytest.mark.parametrize("batch", [4, 100])
+def test_pixels_viewed_as_int8_are_followed_at_any_batch_size(batch):
+    pixels = torch.randint(0, 256, (batch, 2, 2, 3), dtype=torch.uint8)
+
+    def loss(model, inputs):
+        x = inputs.view(torch.int8).float()
+        return model((x - x.mean(0)).flatten(1)).sum(-1)
+
+    with pytest.raises(UnsupportedLayerError, match=r"rows of input \(made floating point by float\)"):
+        engine_grads(nn.Linear(12, 1), loss, pixels, 1.0)
+
+
+@pytest.mark.parametrize("batch", [2, 3, 4])
+def test_channels_first_by_einsum_is_not_refused_when_the_batch_equals_the_channels(batch):
+    pixels = torch.randint(0, 256, (batch, 2, 2, 3), dtype=torch.uint8)
+    engine_grads(nn.Linear(12, 1), lambda m, p: m(torch.einsum("bhwc->cbhw", p).float().permute(1, 0, 2, 3)
+                                                   .flatten(1)).sum(-1), pixels, 1.0)
+
+
+@pytest.mark.parametrize("to_float, width", [
+    (lambda p: torch.cat([p, torch.stack([p[(i + 1) % p.shape[0]] for i in range(p.shape[0])])], -1).float(), 24),
+    (lambda p: p.clone().index_put_((torch.arange(p.shape[0]),), p.flip(0)).float(), 12),
+    (lambda p: (p - p.min(0).values).float(), 12),
+], ids=["cat-neighbour", "flip-into-copy", "integer-min"])
+def test_pixels_mixed_before_they_are_made_floating_point_are_named_in_a_warning(to_float, width, caplog):
+    pixels = torch.randint(0, 256, (4, 2, 2, 3), dtype=torch.uint8)
+    with caplog.at_level("WARNING", logger="vip_core.privacy.layout"):
+        engine_grads(nn.Linear(width, 1), lambda m, p: m(to_float(p).flatten(1)).sum(-1), pixels, 1.0)
+    assert "could not watch the integer inputs input" in caplog.text
