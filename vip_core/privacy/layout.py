@@ -148,14 +148,33 @@ class LayoutCheck:
         # at the data's own point, then at a nearby generic one: crafted data can hide a dependence at its own point
         # (identical images: a batch std of 0 whose sqrt turns every other row's entry into NaN, passed over; blank
         # first and last images, whose x / x.amax() is 0 whatever the max)
-        return all([self._check_inputs_at(model, loss_fn, inputs, batch, jitter) for jitter in (False, True)])
+        # and at a spread point that does not depend on the data (uniform over the data's range, the full 0..255 for
+        # uint8 pixels): crafted data can also sit where the model saturates (black-and-white images through a
+        # contrast boost and a clamp), flat at its own point and at any nearby one. Only the data's own point must
+        # prove something; the others warn when the model fails or is not finite there.
+        return all([self._check_inputs_at(model, loss_fn, inputs, batch, point) for point in _POINTS])
 
     def _check_inputs_at(self, model: nn.Module, loss_fn: LossFn, inputs: Inputs, batch: int,
-                         jitter: bool) -> bool:
-        """One input check; with ``jitter`` at a nearby generic point (each watched entry moved by a small positive
-        deterministic offset)."""
-        watched_inputs, leaves = _watched_inputs(inputs, jitter)
-        conversions = _WatchConversions(inputs, batch, jitter)
+                         point: str) -> bool:
+        """One input check at ``point`` (:data:`_POINTS`): the data's own, a nearby generic one (each watched entry
+        moved by a small deterministic offset, towards the inside of the data's range), or a spread one."""
+        try:
+            return self._check_inputs_at_point(model, loss_fn, inputs, batch, point)
+        except UnsupportedLayerError:
+            raise
+        except Exception as error:  # the model's own checks (a distribution's support, an assert) at a new point
+            if point == "data":
+                raise
+            logger.warning("the per-sample layout check left this model's inputs unchecked at a %s point: its "
+                           "forward or loss_fn raised %s there (docs/privacy.md, rule 5)", point,
+                           type(error).__name__)
+            return True
+
+    def _check_inputs_at_point(self, model: nn.Module, loss_fn: LossFn, inputs: Inputs, batch: int,
+                               point: str) -> bool:
+        jitter = point != "data"
+        watched_inputs, leaves = _watched_inputs(inputs, point)
+        conversions = _WatchConversions(inputs, batch, point)
         per_sample = []
         try:
             with conversions:
@@ -170,6 +189,10 @@ class LayoutCheck:
                 return True
             for sample in _checked_samples(batch):
                 if not _proves_something(losses[sample]):
+                    if jitter:
+                        logger.warning("the per-sample layout check left this model's inputs unchecked at a %s "
+                                       "point: the loss is not finite there (docs/privacy.md, rule 5)", point)
+                        return True
                     return False
                 per_sample.append((sample, torch.autograd.grad(
                     losses[sample], [leaf for _, leaf in leaves], retain_graph=True, allow_unused=True)))
@@ -264,13 +287,16 @@ class _WatchConversions(TorchFunctionMode):
     after the input, is added to that result (the graph through it kept), so the input check can see the samples'
     rows mixed after it."""
 
-    def __init__(self, inputs: Inputs, batch: int, jitter: bool = False) -> None:
+    def __init__(self, inputs: Inputs, batch: int, point: str = "data") -> None:
         super().__init__()
         self.batch = batch
-        self.jitter = jitter
+        self.point = point
+        # the inputs a mixed result reached a floating-point tensor from (p.float() / p.amax(): the batch maximum
+        # of the pixels, beside a clean conversion of them)
+        self.mixed_into: set[str] = set()
         # id -> tensor: results computed from a followed tensor whose rows are not (or not known to be) the samples
         # (p.flip(0), p.min(0), p[i], a list of per-image copies): what they flow into is not followed either
-        self.mixed: dict[int, torch.Tensor] = {}
+        self.mixed: dict[int, tuple[str, torch.Tensor]] = {}
         # id -> (name, tensor): the tensor is held, so that its id cannot be reused by another
         self.sources = {id(t): (name, t) for name, t in _named_tensors(inputs)
                         if not (t.is_floating_point() or t.is_complex())}
@@ -281,23 +307,27 @@ class _WatchConversions(TorchFunctionMode):
         out = func(*args, **(kwargs or {}))
         operands = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
         sources = [self.sources[id(a)][0] for a in operands if id(a) in self.sources and self.sources[id(a)][1] is a]
-        mixed = any(self.mixed.get(id(a)) is a for a in operands)
+        mixed = [self.mixed[id(a)][0] for a in operands if self.mixed.get(id(a), (None, None))[1] is a]
         name = _function_name(func)
         written = args[0] if name == "__setitem__" else out  # ``buf[:] = pixels`` fills ``buf``, returns None
         if not sources and not mixed:
             return out
         if (mixed or not isinstance(written, torch.Tensor) or written.dim() == 0 or written.shape[0] != self.batch
                 or (name in _REARRANGES and not self._keeps_rows(func, name, args, kwargs or {}, written))):
+            source = (sources or mixed)[0]
             for tensor in tree_leaves(written if isinstance(written, torch.Tensor) else out):
                 if isinstance(tensor, torch.Tensor):
-                    self.mixed[id(tensor)] = tensor
+                    self.mixed[id(tensor)] = (source, tensor)
                     self.sources.pop(id(tensor), None)
+                    if mixed and (tensor.is_floating_point() or tensor.is_complex()):
+                        self.mixed_into.add(source)
             return out
         out = written
         if not (out.is_floating_point() or out.is_complex()):
             self.sources[id(out)] = (sources[0], out)  # still integer: follow it
             return out
-        leaf = (_jitter(out) if self.jitter else torch.zeros_like(out)).requires_grad_()
+        plain = name in _CONVERSIONS and any(self._follows(a) and a.dtype == torch.uint8 for a in operands)
+        leaf = _offset(out, self.point, whole=torch.uint8 if plain else None).requires_grad_()
         self.leaves.append((f"{sources[0]} (made floating point by {name})", leaf))
         self.watched.add(sources[0])
         if any(out is a for a in operands):  # in place or out=: the model goes on with that very tensor
@@ -343,8 +373,8 @@ class _WatchConversions(TorchFunctionMode):
 
     @property
     def unwatched(self) -> list[str]:
-        """The integer inputs no floating-point result was watched for."""
-        return sorted({name for name, _ in self.sources.values()} - self.watched)
+        """The integer inputs no floating-point result was watched for, or whose rows mixed reached one."""
+        return sorted(({name for name, _ in self.sources.values()} - self.watched) | self.mixed_into)
 
 
 # Operations that rearrange their operands' elements: their result holds the samples on dim 0 only where each row
@@ -357,13 +387,34 @@ _REARRANGES = frozenset({"T", "mT", "H", "mH", "t", "transpose", "permute", "mov
                          "einsum", "flip", "flipud", "fliplr", "roll", "rot90", "tile", "take_along_dim"})
 
 
-def _jitter(tensor: torch.Tensor) -> torch.Tensor:
-    """A small positive offset per entry, the same on every call (a generator of its own: the user's stream is left
-    alone), relative to the entry's size."""
+_POINTS = ("data", "near", "spread")
+_CONVERSIONS = frozenset({"float", "double", "half", "bfloat16", "to", "type", "type_as"})
+
+
+def _offset(tensor: torch.Tensor, point: str, whole: torch.dtype | None = None) -> torch.Tensor:
+    """What moves ``tensor`` (floating point) to ``point``, the same on every call (a generator of its own: the user's
+    stream is left alone): nothing at the data's point; near it, a small offset per entry relative to the entry's
+    size, upwards unless that leaves the data's range and downwards does not; spread, to a value drawn uniformly
+    over the data's range (0..255 where ``whole`` is uint8 and the data lies within it; widened where the range is
+    one value), whatever the data."""
+    if point == "data":
+        return torch.zeros_like(tensor)
     generator = torch.Generator().manual_seed(0)
-    offset = torch.rand(tensor.shape, generator=generator, dtype=torch.float64)
-    size = tensor.detach().abs().double().cpu() if tensor.is_floating_point() or tensor.is_complex() else 0.0
-    return (1e-2 * offset * (1 + size)).to(dtype=tensor.dtype, device=tensor.device)
+    u = torch.rand(tensor.shape, generator=generator, dtype=torch.float64)
+    x = tensor.detach().double().cpu()
+    if tensor.is_complex():
+        x = x.real
+    lo, hi = (float(x.min()), float(x.max())) if x.numel() else (0.0, 1.0)
+    if point == "near":
+        offset = 1e-2 * u * (1 + x.abs())
+        offset = torch.where((x + offset > hi) & (x - offset >= lo), -offset, offset)
+    else:
+        if whole == torch.uint8 and lo >= 0 and hi <= 255:
+            lo, hi = 0.0, 255.0
+        if hi - lo <= 1e-6 * (1 + abs(hi)):
+            lo, hi = lo - 0.5 * (1 + abs(lo)), hi + 0.5 * (1 + abs(hi))
+        offset = lo + (hi - lo) * u - x
+    return offset.to(dtype=tensor.dtype, device=tensor.device)
 
 
 def _row_ids(tensor: torch.Tensor) -> torch.Tensor:
@@ -412,7 +463,7 @@ def _keep_output(name: str, outputs: list[tuple[str, torch.Tensor]]) -> Callable
     return hook
 
 
-def _watched_inputs(inputs: Inputs, jitter: bool = False) -> tuple[Inputs, list[tuple[str, torch.Tensor]]]:
+def _watched_inputs(inputs: Inputs, point: str = "data") -> tuple[Inputs, list[tuple[str, torch.Tensor]]]:
     """``inputs`` with each floating-point or complex tensor replaced by a copy of a new leaf that requires grad (a
     copy, so that the model may still write into it in place), and those leaves by name (``input``, ``input[k]``)."""
     leaves: list[tuple[str, torch.Tensor]] = []
@@ -420,7 +471,7 @@ def _watched_inputs(inputs: Inputs, jitter: bool = False) -> tuple[Inputs, list[
     def watched(name: str, tensor: torch.Tensor) -> torch.Tensor:
         if not (tensor.is_floating_point() or tensor.is_complex()):
             return tensor
-        leaf = (tensor.detach() + _jitter(tensor) if jitter else tensor.detach()).requires_grad_()
+        leaf = (tensor.detach() + _offset(tensor, point)).requires_grad_()
         leaves.append((name, leaf))
         return leaf.clone()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import logging
 import math
 import re
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
+from torch.distributions import ContinuousBernoulli
 from torch.nn import functional as F
 
 from vip_core.config import get_preset
@@ -1280,3 +1282,47 @@ def test_pixels_mixed_before_they_are_made_floating_point_are_named_in_a_warning
     with caplog.at_level("WARNING", logger="vip_core.privacy.layout"):
         engine_grads(nn.Linear(width, 1), lambda m, p: m(to_float(p).flatten(1)).sum(-1), pixels, 1.0)
     assert "could not watch the integer inputs input" in caplog.text
+
+
+def _one_sum(engine, loss_fn, inputs):
+    total = engine.clipped_sum()
+    total.add(loss_fn, inputs)
+
+
+def test_a_batch_statistic_behind_a_clamp_is_refused_even_on_black_and_white_images_where_the_clamp_is_flat():
+    """Images pushed past the clamp hide the batch mean at their own point and nearby; the spread point sees it."""
+    def loss_fn(model, p):
+        x = ((p.float() / 255 - 0.5) * 1.5 + 0.5).clamp(0, 1)  # contrast boost
+        x = x - x.mean(0)  # the mistake
+        return model(x.flatten(1)).pow(2).sum(-1)
+
+    bw = torch.zeros(4, 2, 2, 3, dtype=torch.uint8)
+    bw[..., 1:, :] = 255
+    with pytest.raises(UnsupportedLayerError, match="other samples' rows of input"):
+        _one_sum(DPEngine(nn.Linear(12, 3), max_grad_norm=1.0), loss_fn, bw)
+
+
+def test_a_batch_maximum_of_integer_pixels_beside_a_clean_conversion_is_named_in_the_warning(caplog):
+    """``p.float() / p.amax()``: the maximum mixes the rows before they are floating point, so it cannot be watched."""
+    def loss_fn(model, p):
+        x = p.float() / p.amax().clamp_min(1)  # forgot the dims
+        return model(x.flatten(1)).pow(2).sum(-1)
+
+    p = torch.randint(0, 256, (4, 2, 2, 3), dtype=torch.uint8)
+    with caplog.at_level(logging.WARNING):
+        _one_sum(DPEngine(nn.Linear(12, 3), max_grad_norm=1.0), loss_fn, p)
+    assert "could not watch the integer inputs input" in caplog.text
+
+
+def test_code_valid_only_within_the_datas_range_is_checked_and_not_stopped_by_the_other_points(caplog):
+    """A distribution's support and an assert on the range hold at every point the check visits."""
+    def loss_fn(model, p):
+        x = p.float().flatten(1) / 255
+        assert float(x.detach().max()) <= 1.0
+        return -ContinuousBernoulli(logits=model(x)).log_prob(x).sum(-1)
+
+    p = torch.randint(0, 256, (4, 2, 2, 3), dtype=torch.uint8)
+    p[:, 0, 0, 0] = 255
+    engine = DPEngine(nn.Linear(12, 12), max_grad_norm=1.0)
+    _one_sum(engine, loss_fn, p)
+    assert engine.layout.done
