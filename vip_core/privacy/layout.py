@@ -83,6 +83,7 @@ class LayoutCheck:
         self.plain = plain
         self.unreached = {name for name, _ in layers} | {name for name, _ in plain}
         self.inputs_checked = False
+        self.input_tries = 0
         self.uses_checked = False
 
     @property
@@ -101,6 +102,12 @@ class LayoutCheck:
             self.unreached -= reached
             if not self.inputs_checked:
                 self.inputs_checked = self._check_inputs(model, loss_fn, inputs, batch)
+                self.input_tries += 1
+                if not self.inputs_checked and self.input_tries >= _INPUT_TRIES:
+                    logger.warning("the per-sample layout check left this model's inputs unchecked: on %d microbatches "
+                                   "the first or the last sample's loss was not finite or did not depend on its own "
+                                   "inputs (docs/privacy.md, rule 5)", self.input_tries)
+                    self.inputs_checked = True
 
     def check_uses(self, losses: torch.Tensor, uses: dict[nn.Parameter, tuple[str, Any]]) -> None:
         """On the first training forward: refuses a parameter used outside its layer (``uses``: each parameter's name
@@ -201,6 +208,20 @@ class LayoutCheck:
                            "raised %s on inputs that require grad, so samples mixed before the first layer cannot be "
                            "seen (docs/privacy.md, rule 5)", type(error).__name__)
             return True
+        if not jitter and not all(all(grad is None or bool(((grad[sample] != 0) & ~grad[sample].isnan()).any())
+                                      for grad in grads) for sample, grads in per_sample):
+            # a checked sample whose loss reaches an input but not its own rows of it (an unlabelled sample under
+            # ignore_index, an image all padding under a masked loss) proves nothing about the others' rows
+            for sample, grads in per_sample:
+                self_check = [(name, grad) for (name, _), grad in zip(leaves, grads)]
+                for name, grad in self_check:
+                    others = None if grad is None else _other_rows(grad, sample)
+                    if others is not None and bool(((others != 0) & ~others.isnan()).any()):
+                        raise UnsupportedLayerError(
+                            f"sample {sample}'s loss depends on other samples' rows of {name}: the model or loss_fn "
+                            "mixes samples (batch statistics such as x - x.mean(0), or a loss normalised over the "
+                            "batch), and per-sample clipping needs each sample's loss to depend on its own inputs only")
+            return False
         for sample, grads in per_sample:
             for (name, _), grad in zip(leaves, grads):
                 others = None if grad is None else _other_rows(grad, sample)
@@ -312,6 +333,12 @@ class _WatchConversions(TorchFunctionMode):
         written = args[0] if name == "__setitem__" else out  # ``buf[:] = pixels`` fills ``buf``, returns None
         if not sources and not mixed:
             return out
+        if not mixed and isinstance(out, (tuple, list)) and name != "__setitem__" and out and all(
+                isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == self.batch
+                and not (t.is_floating_point() or t.is_complex()) for t in out) and _off_batch(name, args, kwargs or {}):
+            for tensor in out:  # p.aminmax(dim=1), p.flatten(1).max(1), p.unbind(1): one sample per row
+                self.sources[id(tensor)] = (sources[0], tensor)
+            return out
         if (mixed or not isinstance(written, torch.Tensor) or written.dim() == 0 or written.shape[0] != self.batch
                 or (name in _REARRANGES and not self._keeps_rows(func, name, args, kwargs or {}, written))):
             source = (sources or mixed)[0]
@@ -388,6 +415,20 @@ _REARRANGES = frozenset({"T", "mT", "H", "mH", "t", "transpose", "permute", "mov
 
 
 _POINTS = ("data", "near", "spread")
+_INPUT_TRIES = 8
+# tuple-returning operations along one dim: where that dim is given (position of ``dim`` after the tensor, default)
+_ALONG_DIM = {"max": (1, None), "min": (1, None), "median": (1, None), "nanmedian": (1, None), "mode": (1, -1),
+              "cummax": (1, None), "cummin": (1, None), "kthvalue": (2, -1), "topk": (2, -1), "sort": (1, -1),
+              "aminmax": (None, None), "unbind": (1, 0), "split": (2, 0), "chunk": (2, 0), "tensor_split": (2, 0)}
+
+
+def _off_batch(name: str, args: tuple, kwargs: dict) -> bool:
+    """Whether a tuple-returning ``name`` acts along a given dim other than the batch's (dim 0)."""
+    if name not in _ALONG_DIM or not args or not isinstance(args[0], torch.Tensor) or args[0].dim() < 2:
+        return False
+    position, default = _ALONG_DIM[name]
+    dim = kwargs.get("dim", args[position] if position is not None and len(args) > position else default)
+    return isinstance(dim, int) and not isinstance(dim, bool) and dim % args[0].dim() != 0
 _CONVERSIONS = frozenset({"float", "double", "half", "bfloat16", "to", "type", "type_as"})
 
 
@@ -411,6 +452,9 @@ def _offset(tensor: torch.Tensor, point: str, whole: torch.dtype | None = None) 
     else:
         if whole == torch.uint8 and lo >= 0 and hi <= 255:
             lo, hi = 0.0, 255.0
+        # never narrower than [0, 1] (where images and their conversions live): crafted data cannot choose a range
+        # of its own, bright images in [0.8, 1], where a brightness clamp is flat
+        lo, hi = min(lo, 0.0), max(hi, 1.0)
         if hi - lo <= 1e-6 * (1 + abs(hi)):
             lo, hi = lo - 0.5 * (1 + abs(lo)), hi + 0.5 * (1 + abs(hi))
         offset = lo + (hi - lo) * u - x

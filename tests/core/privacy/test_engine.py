@@ -1326,3 +1326,63 @@ def test_code_valid_only_within_the_datas_range_is_checked_and_not_stopped_by_th
     engine = DPEngine(nn.Linear(12, 12), max_grad_norm=1.0)
     _one_sum(engine, loss_fn, p)
     assert engine.layout.done
+
+
+def _bright(p):
+    x = (p / 255 * 1.3).clamp(0, 1)  # a brightness boost (p / 255: not a plain conversion)
+    x = x - x.mean(0)  # the mistake
+    return x.flatten(1)
+
+
+@pytest.mark.parametrize("floats", [False, True], ids=["uint8-divided", "float"])
+def test_a_batch_statistic_behind_a_clamp_is_refused_on_bright_images_whose_range_the_clamp_flattens(floats):
+    """The spread point covers [0, 1] whatever the data's range: bright images cannot keep the clamp flat there."""
+    p = torch.randint(200, 256, (4, 2, 2, 3), dtype=torch.uint8)
+    inputs = p.float() / 255 if floats else p
+
+    def loss_fn(model, q):
+        x = (q * 1.3).clamp(0, 1) - (q * 1.3).clamp(0, 1).mean(0) if floats else _bright(q).view(4, 2, 2, 3)
+        return model(x.flatten(1)).pow(2).sum(-1)
+
+    with pytest.raises(UnsupportedLayerError, match="other samples' rows of input"):
+        _one_sum(DPEngine(nn.Linear(12, 3), max_grad_norm=1.0), loss_fn, inputs)
+
+
+def test_unlabelled_first_and_last_samples_do_not_complete_the_input_check():
+    """Samples whose loss does not reach their own inputs prove nothing; the next microbatch is checked."""
+    def loss_fn(model, inputs):
+        p, y = inputs
+        x = p.float() / 255
+        return F.cross_entropy(model((x - x.mean(0)).flatten(1)), y, ignore_index=-1, reduction="none")
+
+    p = torch.randint(0, 256, (4, 2, 2, 3), dtype=torch.uint8)
+    engine = DPEngine(nn.Linear(12, 3), max_grad_norm=1.0)
+    _one_sum(engine, loss_fn, (p, torch.tensor([-1, 1, 2, -1])))
+    assert not engine.layout.inputs_checked
+    with pytest.raises(UnsupportedLayerError, match="other samples' rows of input"):
+        _one_sum(engine, loss_fn, (p, torch.tensor([0, 1, 2, 0])))
+
+
+@pytest.mark.parametrize("to_float", [
+    lambda p: (lambda lo, hi: (p.float() - lo.view(-1, 1, 1, 1)) / (hi - lo).clamp(min=1).view(-1, 1, 1, 1))(
+        *p.flatten(1).aminmax(dim=1)),
+    lambda p: p.float() / p.flatten(1).max(dim=1).values.clamp(min=1).view(-1, 1, 1, 1),
+    lambda p: torch.stack([c.float() for c in p.unbind(1)], 1),
+], ids=["aminmax", "max-values", "unbind-channels"])
+def test_per_image_integer_statistics_and_channel_splits_give_no_warning(to_float, caplog):
+    """Statistics along a dim other than the batch's keep one sample per row: they are followed, not warned about."""
+    p = torch.randint(0, 256, (4, 2, 2, 3), dtype=torch.uint8)
+    with caplog.at_level(logging.WARNING):
+        _one_sum(DPEngine(nn.Linear(12, 3), max_grad_norm=1.0),
+                 lambda m, q: m(to_float(q).flatten(1)).pow(2).sum(-1), p)
+    assert "could not watch" not in caplog.text
+
+
+@pytest.mark.parametrize("batch", [2, 3, 4])
+def test_an_integer_minimum_over_the_batch_through_a_tuple_is_still_named(batch, caplog):
+    """A minimum over the batch mixes the rows, whatever the batch size: it is named in the warning."""
+    p = torch.randint(0, 256, (batch, 2, 2, 3), dtype=torch.uint8)
+    with caplog.at_level(logging.WARNING):
+        _one_sum(DPEngine(nn.Linear(12, 3), max_grad_norm=1.0),
+                 lambda m, q: m((q - q.min(0).values).float().flatten(1)).pow(2).sum(-1), p)
+    assert "could not watch the integer inputs input" in caplog.text
