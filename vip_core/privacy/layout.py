@@ -208,29 +208,23 @@ class LayoutCheck:
                            "raised %s on inputs that require grad, so samples mixed before the first layer cannot be "
                            "seen (docs/privacy.md, rule 5)", type(error).__name__)
             return True
-        if not jitter and not all(all(grad is None or bool(((grad[sample] != 0) & ~grad[sample].isnan()).any())
-                                      for grad in grads) for sample, grads in per_sample):
-            # a checked sample whose loss reaches an input but not its own rows of it (an unlabelled sample under
-            # ignore_index, an image all padding under a masked loss) proves nothing about the others' rows
-            for sample, grads in per_sample:
-                self_check = [(name, grad) for (name, _), grad in zip(leaves, grads)]
-                for name, grad in self_check:
-                    others = None if grad is None else _other_rows(grad, sample)
-                    if others is not None and bool(((others != 0) & ~others.isnan()).any()):
-                        raise UnsupportedLayerError(
-                            f"sample {sample}'s loss depends on other samples' rows of {name}: the model or loss_fn "
-                            "mixes samples (batch statistics such as x - x.mean(0), or a loss normalised over the "
-                            "batch), and per-sample clipping needs each sample's loss to depend on its own inputs only")
-            return False
-        for sample, grads in per_sample:
-            for (name, _), grad in zip(leaves, grads):
-                others = None if grad is None else _other_rows(grad, sample)
-                if others is not None and bool(((others != 0) & ~others.isnan()).any()):
-                    raise UnsupportedLayerError(
-                        f"sample {sample}'s loss depends on other samples' rows of {name}: the model or loss_fn mixes "
-                        "samples (batch statistics such as x - x.mean(0), or a loss normalised over the batch), and "
-                        "per-sample clipping needs each sample's loss to depend on its own inputs only")
-        return True
+        _refuse_mixed_rows(per_sample, leaves)
+        # a checked sample whose loss reaches an input but not its own rows of it (an unlabelled sample under
+        # ignore_index, an image all padding under a masked loss) proves nothing about the others' rows
+        return jitter or all(all(grad is None or bool(((grad[sample] != 0) & ~grad[sample].isnan()).any())
+                                 for grad in grads) for sample, grads in per_sample)
+
+
+def _refuse_mixed_rows(per_sample: list[tuple[int, tuple]], leaves: list[tuple[str, torch.Tensor]]) -> None:
+    """Refuses a checked sample whose loss has a finite non-zero gradient in another sample's rows of an input."""
+    for sample, grads in per_sample:
+        for (name, _), grad in zip(leaves, grads):
+            others = None if grad is None else _other_rows(grad, sample)
+            if others is not None and bool(((others != 0) & ~others.isnan()).any()):
+                raise UnsupportedLayerError(
+                    f"sample {sample}'s loss depends on other samples' rows of {name}: the model or loss_fn mixes "
+                    "samples (batch statistics such as x - x.mean(0), or a loss normalised over the batch), and "
+                    "per-sample clipping needs each sample's loss to depend on its own inputs only")
 
 
 class WriteGuard:
