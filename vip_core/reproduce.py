@@ -73,9 +73,10 @@ FINDINGS = (
 )
 
 # vip's recipe: dotted overrides of the DP stage (and of how its encoder is evaluated) applied to the
-# ``vip-recipe`` arm only, chosen on the development split; empty: the faithful recipe, so finding 4 compares
-# the faithful recipe with itself on other private sets. Values are for the default experiment's sizes.
-VIP_RECIPE: dict[str, Any] = {}
+# ``vip-recipe`` arm only, chosen on the development split (docs/reproduce.md, "How vip's recipe was chosen"):
+# half the batch for twice the steps, the same FLOPs, warm-up scaled with them. Values are for the default
+# experiment's sizes.
+VIP_RECIPE: dict[str, Any] = {"private.batch_size": 512, "private.steps": 32, "private.warmup_steps": 20}
 # What a recipe may change: the DP stage's training, its clipping bound and the encoder's evaluation; the ε, δ
 # and the model stay the faithful arm's (same ε; the warm start loads the synthetic checkpoint).
 RECIPE_FIELDS = ("private.", "privacy.max_grad_norm", "evaluation.")
