@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import inspect
+import logging
 import os
 import signal
 import sys
@@ -40,7 +41,7 @@ from tasks.runtime.folders import RESULT_FILE
 from tasks.runtime.names import STAGES
 from tasks.runtime.sizing import confirm, size_run, url_list_rows
 from tasks.runtime.stopping import INTERRUPTED, is_supervised, kept_work, run_supervised
-from vip_core.config import VipConfig
+from vip_core.config import ConfigError, VipConfig
 
 TARGETS = ("run", *STAGES)
 PIPELINE_STAGES = ("ingest", "render", "pretrain-syn", "pretrain-dp")
@@ -304,8 +305,30 @@ def prepare_console() -> None:
 
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", PROGRESS_LOGGERS)
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "300")
+    show_setting_errors_in_one_line()
     server = use_running_prefect_server()
     say(f"Prefect API: {server or 'a temporary local server'}; MLflow: {os.environ['MLFLOW_TRACKING_URI']}")
+
+
+# Prefect's loggers of a flow's and a task's run: where a failed stage's exception is logged with its traceback.
+RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
+
+
+class SettingErrorsInOneLine(logging.Filter):
+    """Drops the traceback of a :class:`ConfigError` (a setting that cannot work, such as a spent privacy budget):
+    its message names the setting and is the whole story; any other error keeps its traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], ConfigError):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def show_setting_errors_in_one_line() -> None:
+    """Installs :class:`SettingErrorsInOneLine` on Prefect's run loggers (once)."""
+    for name in RUN_LOGGERS:
+        if not any(isinstance(f, SettingErrorsInOneLine) for f in logging.getLogger(name).filters):
+            logging.getLogger(name).addFilter(SettingErrorsInOneLine())
 
 
 def say(message: str) -> None:

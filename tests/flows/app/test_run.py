@@ -9,14 +9,15 @@ preset and a small sample web."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
 
-from flows.app.run import report, run_target, stage_states
+from flows.app.run import RUN_LOGGERS, report, run_target, show_setting_errors_in_one_line, stage_states
 from flows.app.servers import free_port
 from tasks.runtime.names import STAGES
-from vip_core.config import tiny, with_overrides
+from vip_core.config import ConfigError, tiny, with_overrides
 
 MICRO = {
     "data.render.num_images": 64,
@@ -72,3 +73,43 @@ def test_make_run_reuses_a_stage_target_and_then_every_stage_target_is_cached(ma
             assert {"result": metrics["result"], "baseline": metrics["baseline"]} == summary["evaluations"]["linprobe"]
         if target == "pretrain-dp":
             assert state.result()["checkpoint"] == summary["checkpoint"]
+
+
+class _Lines(logging.Handler):
+    """The formatted records of a logger, as a console shows them (traceback included)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.text = ""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.text += logging.Formatter().format(record) + "\n"
+
+
+@pytest.mark.parametrize(("error", "traceback_shown"), [
+    (ConfigError("privacy.target_epsilon: 4.0 cannot be met: the data set has spent epsilon 7.9972"), False),
+    (RuntimeError("a bug"), True),
+], ids=["setting", "bug"])
+def test_a_stage_refused_for_a_setting_is_one_line_in_the_log_and_a_bug_keeps_its_traceback(
+        prefect_api, error, traceback_shown):
+    from prefect import flow, task
+
+    @task(name="refusing-stage")
+    def stage():
+        raise error
+
+    @flow(name="refusing-flow")
+    def refusing():
+        stage()
+
+    show_setting_errors_in_one_line()
+    lines = _Lines()
+    for name in RUN_LOGGERS:
+        logging.getLogger(name).addHandler(lines)
+    try:
+        state = refusing(return_state=True)
+    finally:
+        for name in RUN_LOGGERS:
+            logging.getLogger(name).removeHandler(lines)
+    assert state.is_failed() and str(error) in lines.text
+    assert ("Traceback" in lines.text) is traceback_shown
