@@ -62,7 +62,7 @@ $(STAGES): setup
 	$(PY) -m flows.app.run $@ $(FLOW_OPTIONS)
 
 # `make reproduce`: the experiment of docs/reproduce.md (the Prefect flow vip-reproduce): every arm on 2 seeds and 3
-# held-out tasks, then the table, the plot and a verdict per finding and task (about 50 min here). FULL=1: a longer recipe (3 seeds, the
+# held-out tasks, then the table, the plot and a verdict per finding and task (about 20 min here). FULL=1: a longer recipe (3 seeds, the
 # non-private ceiling, 3,000 synthetic steps, DP B = 2,048 x 30 steps on 100k images each; not run here).
 FULL ?=
 reproduce: setup

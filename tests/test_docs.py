@@ -35,9 +35,9 @@ def anchors(page: Path) -> set[str]:
     return found
 
 
-def test_the_readme_is_under_8_kb_and_starts_with_make_run_and_make_test():
+def test_the_readme_is_under_9_kb_and_starts_with_make_run_and_make_test():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    assert len(readme.encode()) < 8_000, f"README.md is {len(readme.encode())} bytes: keep it under 8 KB"
+    assert len(readme.encode()) < 9_000, f"README.md is {len(readme.encode())} bytes: keep it under 9 KB"
     commands = re.findall(r"^make \w[\w-]*", readme, re.MULTILINE)
     assert commands[:2] == ["make run", "make test"]
 

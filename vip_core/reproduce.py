@@ -222,8 +222,8 @@ class ReproduceConfig(BaseModel):
 
 def reproduce() -> ReproduceConfig:
     """``make reproduce``: two seeds, the held-out split's three tasks, vip's recipe beside the faithful one;
-    about 50 minutes on this 2-core machine, estimated from the stages' measured times (docs/reproduce.md). The
-    per-block probes are left out: on three tasks they would cost 30 minutes more."""
+    20 minutes on this 2-core machine (docs/reproduce.md, Results). The per-block probes are left out: on three
+    tasks they would cost about 30 minutes more."""
     return ReproduceConfig(recipe=VIP_RECIPE, block_probes=False)
 
 

@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="python -m flows.app.reproduce", description=__doc__.splitlines()[0])
     parser.add_argument("--experiment", choices=sorted(EXPERIMENTS), default="default",
-                        help="default: the held-out tasks, about 50 min here; development: the tasks that choose "
+                        help="default: the held-out tasks, about 20 min here; development: the tasks that choose "
                         "the recipe; full: the longer recipe; smoke: minutes, for tests")
     parser.add_argument("--workdir", default="", help="default: $VIP_HOME/runs/<experiment name>")
     parser.add_argument("--recipe", action="append", metavar="FIELD=VALUE", help="the vip-recipe arm's overrides "
