@@ -35,6 +35,10 @@ MEASURED = {
     # `vip bench ingest --image-size 256`: images cleaned per CPU-second; img2dataset's own figure for the download
     # of one node (this machine reaches 127.0.0.1 only).
     "ingest": {"images_per_cpu_s": 210.0, "downloads_per_s": 1000.0},
+    # `make run` of the tiny preset from a fresh clone, this machine: its flow began 24 s after the command (imports,
+    # a temporary Prefect server, the demo's evaluation data), and each training stage took 22-27 s beyond its steps
+    # (a local Ray and its worker group).
+    "start_up": {"run_s": 24.0, "training_stage_s": 22.0},
 }
 
 
@@ -103,6 +107,8 @@ def size_run(config: VipConfig, stages: tuple[str, ...], *, ingest_rows: int | N
     for stage, training, private in (("pretrain-syn", config.synthetic, False), ("pretrain-dp", config.private, True)):
         if stage in stages:
             parts.append(training_part(stage, config.model, training, private, devices))
+    if stages:
+        parts.append(Part("start-up", "of processes and servers", MEASURED["start_up"]["run_s"]))
     return RunSize(tuple(parts), devices)
 
 
@@ -146,7 +152,8 @@ def training_part(stage: str, model: ModelConfig, training: TrainingConfig, priv
         dp_flops_per_s *= devices.cores / rate["cores"]
     flops_per_s = dp_flops_per_s if private else dp_flops_per_s * rate["dp_slowdown"]
     step_s = rate["step_overhead_s"] + training.batch_size * mae_train_flops(model) / flops_per_s
-    return Part(stage, f"{training.steps:,} steps of {training.batch_size:,} images", training.steps * step_s)
+    return Part(stage, f"{training.steps:,} steps of {training.batch_size:,} images",
+                MEASURED["start_up"]["training_stage_s"] + training.steps * step_s)
 
 
 def mae_train_flops(model: ModelConfig) -> float:

@@ -28,6 +28,13 @@ def test_the_size_line_names_the_images_the_steps_and_the_time_expected_here():
     assert tiny.seconds < 120 and "render 256 images at 32 px" in tiny.line()
 
 
+def test_a_demo_run_is_sized_with_its_start_up_not_its_steps_alone():
+    """`make run` of the tiny preset measured 102 s from the command to the end of pre-training (evaluation is not
+    sized): the estimate counts the start-up and each training stage's workers, not only their few steps."""
+    tiny = size_run(get_preset("tiny"), PIPELINE, ingest_rows=320, devices=CPU_HERE)
+    assert "start-up" in tiny.line() and 0.67 * 102 <= tiny.seconds <= 1.5 * 102
+
+
 def test_the_paper_dp_stage_on_one_h200_takes_what_the_benchmark_measured():
     """589,824,000 DP images at the measured 1,240 images/s of ViP-Base on one H200 (docs/scaling.md)."""
     size = size_run(get_preset("vip-base"), ("pretrain-dp",), ingest_rows=None, devices=ONE_GPU)
