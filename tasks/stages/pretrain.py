@@ -182,7 +182,8 @@ def stage_plan(config: VipConfig, stage: str, data: "ShardSet", output: Path, co
     if stored is not None and stored.get("private") != is_private(config, stage):
         raise ValueError(f"{output}: resume refused: the run was planned with private={stored.get('private')}, "
                          f"the configuration now gives {is_private(config, stage)}; choose a new output")
-    _check_same_trainable_set(config, stage, stored, output)
+    trains_pos_embed = stage_training(config, stage).train_pos_embed
+    _check_same_trainable_set(trains_pos_embed, stage, stored, output)
     if stage == "private" and not config.privacy.enabled:
         _charge_without_privacy(config, fingerprint, dataset_size, run)
     if is_private(config, stage):
@@ -205,16 +206,15 @@ def stage_plan(config: VipConfig, stage: str, data: "ShardSet", output: Path, co
         if changed:
             raise ValueError(f"{output}: resume refused: the run was planned with {changed}={stored[changed]!r}, "
                              f"the configuration now gives {plan[changed]!r}; choose a new output")
-    plan["train_pos_embed"] = stage_training(config, stage).train_pos_embed
+    plan["train_pos_embed"] = trains_pos_embed
     output.mkdir(parents=True, exist_ok=True)
     write_json(output / PLAN_FILE, plan)
     return plan
 
 
-def _check_same_trainable_set(config: VipConfig, stage: str, stored: dict[str, Any] | None, output: Path) -> None:
+def _check_same_trainable_set(trains: bool, stage: str, stored: dict[str, Any] | None, output: Path) -> None:
     """A continued run trains the parameters it started with: its optimiser's state holds one entry per trained
     tensor, so a flipped ``train_pos_embed`` could not be resumed (plans before the field: frozen)."""
-    trains = stage_training(config, stage).train_pos_embed
     if stored is not None and stored.get("train_pos_embed", False) != trains:
         raise ValueError(f"{output}: resume refused: the run was planned with {stage}.train_pos_embed="
                          f"{str(not trains).lower()}, the configuration now gives {str(trains).lower()}; set it back "

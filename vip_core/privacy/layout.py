@@ -151,14 +151,12 @@ class LayoutCheck:
         input is watched as it is, an integer one (uint8 pixels, indices into a data set) where the model first turns
         it into floating point (:class:`_WatchConversions`). NaN entries (0 · log 0) are passed over; a model that
         cannot run on inputs requiring grad (``.numpy()``) is not checked here, and a warning says so. False when the
-        microbatch proves nothing (a loss not finite)."""
-        # at the data's own point, then at a nearby generic one: crafted data can hide a dependence at its own point
-        # (identical images: a batch std of 0 whose sqrt turns every other row's entry into NaN, passed over; blank
-        # first and last images, whose x / x.amax() is 0 whatever the max)
-        # and at a spread point that does not depend on the data (uniform over the data's range, the full 0..255 for
-        # uint8 pixels): crafted data can also sit where the model saturates (black-and-white images through a
-        # contrast boost and a clamp), flat at its own point and at any nearby one. Only the data's own point must
-        # prove something; the others warn when the model fails or is not finite there.
+        microbatch proves nothing (a loss not finite, or a checked sample whose loss does not reach its own rows).
+
+        The check runs at three points (:data:`_POINTS`), since crafted data can sit where a dependence is flat (the
+        NaN of sqrt at a batch std of 0 on identical images, a clamp saturated by black-and-white images): the data's
+        own, a nearby one and one spread over [0, 1] and the data's range. Only the data's own point must prove
+        something; the others warn when the model raises or is not finite there."""
         return all([self._check_inputs_at(model, loss_fn, inputs, batch, point) for point in _POINTS])
 
     def _check_inputs_at(self, model: nn.Module, loss_fn: LossFn, inputs: Inputs, batch: int,
@@ -172,9 +170,7 @@ class LayoutCheck:
         except Exception as error:  # the model's own checks (a distribution's support, an assert) at a new point
             if point == "data":
                 raise
-            logger.warning("the per-sample layout check left this model's inputs unchecked at a %s point: its "
-                           "forward or loss_fn raised %s there (docs/privacy.md, rule 5)", point,
-                           type(error).__name__)
+            _warn_unchecked_at(point, f"its forward or loss_fn raised {type(error).__name__} there")
             return True
 
     def _check_inputs_at_point(self, model: nn.Module, loss_fn: LossFn, inputs: Inputs, batch: int,
@@ -197,8 +193,7 @@ class LayoutCheck:
             for sample in _checked_samples(batch):
                 if not _proves_something(losses[sample]):
                     if jitter:
-                        logger.warning("the per-sample layout check left this model's inputs unchecked at a %s "
-                                       "point: the loss is not finite there (docs/privacy.md, rule 5)", point)
+                        _warn_unchecked_at(point, "the loss is not finite there")
                         return True
                     return False
                 per_sample.append((sample, torch.autograd.grad(
@@ -211,16 +206,25 @@ class LayoutCheck:
         _refuse_mixed_rows(per_sample, leaves)
         # a checked sample whose loss reaches an input but not its own rows of it (an unlabelled sample under
         # ignore_index, an image all padding under a masked loss) proves nothing about the others' rows
-        return jitter or all(all(grad is None or bool(((grad[sample] != 0) & ~grad[sample].isnan()).any())
-                                 for grad in grads) for sample, grads in per_sample)
+        return jitter or all(all(grad is None or _has_signal(grad[sample]) for grad in grads)
+                             for sample, grads in per_sample)
+
+
+def _warn_unchecked_at(point: str, reason: str) -> None:
+    logger.warning("the per-sample layout check left this model's inputs unchecked at a %s point: %s "
+                   "(docs/privacy.md, rule 5)", point, reason)
+
+
+def _has_signal(grad: torch.Tensor) -> bool:
+    """Whether ``grad`` holds a finite non-zero entry (NaN entries, as 0 · log 0, are passed over)."""
+    return bool(((grad != 0) & ~grad.isnan()).any())
 
 
 def _refuse_mixed_rows(per_sample: list[tuple[int, tuple]], leaves: list[tuple[str, torch.Tensor]]) -> None:
     """Refuses a checked sample whose loss has a finite non-zero gradient in another sample's rows of an input."""
     for sample, grads in per_sample:
         for (name, _), grad in zip(leaves, grads):
-            others = None if grad is None else _other_rows(grad, sample)
-            if others is not None and bool(((others != 0) & ~others.isnan()).any()):
+            if grad is not None and _has_signal(_other_rows(grad, sample)):
                 raise UnsupportedLayerError(
                     f"sample {sample}'s loss depends on other samples' rows of {name}: the model or loss_fn mixes "
                     "samples (batch statistics such as x - x.mean(0), or a loss normalised over the batch), and "
@@ -410,6 +414,7 @@ _REARRANGES = frozenset({"T", "mT", "H", "mH", "t", "transpose", "permute", "mov
 
 _POINTS = ("data", "near", "spread")
 _INPUT_TRIES = 8
+_CONVERSIONS = frozenset({"float", "double", "half", "bfloat16", "to", "type", "type_as"})
 # tuple-returning operations along one dim: where that dim is given (position of ``dim`` after the tensor, default)
 _ALONG_DIM = {"max": (1, None), "min": (1, None), "median": (1, None), "nanmedian": (1, None), "mode": (1, -1),
               "cummax": (1, None), "cummin": (1, None), "kthvalue": (2, -1), "topk": (2, -1), "sort": (1, -1),
@@ -423,7 +428,6 @@ def _off_batch(name: str, args: tuple, kwargs: dict) -> bool:
     position, default = _ALONG_DIM[name]
     dim = kwargs.get("dim", args[position] if position is not None and len(args) > position else default)
     return isinstance(dim, int) and not isinstance(dim, bool) and dim % args[0].dim() != 0
-_CONVERSIONS = frozenset({"float", "double", "half", "bfloat16", "to", "type", "type_as"})
 
 
 def _offset(tensor: torch.Tensor, point: str, whole: torch.dtype | None = None) -> torch.Tensor:
