@@ -214,8 +214,9 @@ def stage_plan(config: VipConfig, stage: str, data: "ShardSet", output: Path, co
 
 def _check_same_trainable_set(trains: bool, stage: str, stored: dict[str, Any] | None, output: Path) -> None:
     """A continued run trains the parameters it started with: its optimiser's state holds one entry per trained
-    tensor, so a flipped ``train_pos_embed`` could not be resumed (plans before the field: frozen)."""
-    if stored is not None and stored.get("train_pos_embed", False) != trains:
+    tensor, so a flipped ``train_pos_embed`` could not be resumed. A plan written before vip recorded it is not
+    checked (its run may have trained them)."""
+    if stored is not None and stored.get("train_pos_embed", trains) != trains:
         raise ValueError(f"{output}: resume refused: the run was planned with {stage}.train_pos_embed="
                          f"{str(not trains).lower()}, the configuration now gives {str(trains).lower()}; set it back "
                          "or choose a new output")

@@ -105,8 +105,9 @@ class LayoutCheck:
                 self.input_tries += 1
                 if not self.inputs_checked and self.input_tries >= _INPUT_TRIES:
                     logger.warning("the per-sample layout check left this model's inputs unchecked: on %d microbatches "
-                                   "the first or the last sample's loss was not finite or did not depend on its own "
-                                   "inputs (docs/privacy.md, rule 5)", self.input_tries)
+                                   "the first or the last sample's loss was not finite, or reached its own inputs only "
+                                   "through a flat operation (floor, round) or not at all (docs/privacy.md, rule 5)",
+                                   self.input_tries)
                     self.inputs_checked = True
 
     def check_uses(self, losses: torch.Tensor, uses: dict[nn.Parameter, tuple[str, Any]]) -> None:

@@ -5,6 +5,8 @@ and the defaults, which take exactly the steps a run without the levers takes.""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -218,6 +220,9 @@ def test_a_resume_with_the_position_embeddings_flipped_is_refused_naming_the_fie
                                          "the configuration now gives true"):
         stage_plan(flipped, "private", measure_shards(shards), tmp_path, continuing=True)
     assert stage_plan(config, "private", measure_shards(shards), tmp_path, continuing=True)["train_pos_embed"] is False
+    plan_file = tmp_path / "plan.json"  # a plan written before vip recorded the setting: its run is not second-guessed
+    plan_file.write_text(json.dumps({k: v for k, v in json.loads(plan_file.read_text()).items() if k != "train_pos_embed"}))
+    assert stage_plan(flipped, "private", measure_shards(shards), tmp_path, continuing=True)["train_pos_embed"] is True
 
 
 # ------------------------------------------------------------------------------------------------ moving average
