@@ -8,7 +8,8 @@ runs supervised (:func:`run_supervised`): the work in a child in a new process g
 signals do not reach, and this process, still in the terminal's group, as a child subreaper (orphaned
 descendants become its children). On SIGINT, SIGTERM or SIGHUP it kills the child's group and every other
 descendant (:func:`stop_descendants`) but the processes it was asked to spare (a Prefect server the caller stops
-after the flow), prints one line and returns :data:`INTERRUPTED`.
+after the flow), marks the MLflow runs the command opened and left open KILLED (FAILED where the child died on its
+own), prints one line and returns :data:`INTERRUPTED`.
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Callable, Iterable
 
 import psutil
 
 SUPERVISED_ENV = "VIP_SUPERVISED"
+OPENED_RUNS_ENV = "VIP_OPENED_RUNS"  # the file where the child's processes note each MLflow run they open
 INTERRUPTED = 130  # a shell's exit status for a command stopped by SIGINT
 WAIT_S = 5.0
 KILL_ROUNDS = 5
@@ -41,7 +44,8 @@ def run_supervised(command: list[str], *, stopped: Callable[[], str], spare: Ite
     """Runs ``command`` in a new process group and returns its exit status; on SIGINT, SIGTERM or SIGHUP stops it.
 
     Args:
-        command: the child's command line; it sees ``VIP_SUPERVISED=1`` (:func:`is_supervised`).
+        command: the child's command line; it sees ``VIP_SUPERVISED=1`` (:func:`is_supervised`) and
+            ``VIP_OPENED_RUNS``, where :func:`tasks.runtime.tracking.start_run` notes the runs it opens.
         stopped: the line printed once the child and its descendants are gone (what was kept, how to resume).
         spare: process ids (with their descendants) left running: the caller stops them after the child.
 
@@ -52,8 +56,11 @@ def run_supervised(command: list[str], *, stopped: Callable[[], str], spare: Ite
     received: list[int] = []
     previous = {number: signal.signal(number, lambda signum, _frame: received.append(signum))
                 for number in STOP_SIGNALS}
+    notes = tempfile.TemporaryDirectory(prefix="vip-supervised-")
+    opened = Path(notes.name) / "mlflow-runs"
     try:
-        child = subprocess.Popen(command, env={**os.environ, SUPERVISED_ENV: "1"}, process_group=0)
+        child = subprocess.Popen(command, env={**os.environ, SUPERVISED_ENV: "1", OPENED_RUNS_ENV: str(opened)},
+                                 process_group=0)
         while child.poll() is None and not received:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 child.wait(timeout=0.2)
@@ -61,11 +68,14 @@ def run_supervised(command: list[str], *, stopped: Callable[[], str], spare: Ite
             signal.signal(number, signal.SIG_IGN)
         stop_descendants(child.pid, spare)  # also what a finished child left running
         child.wait()
+        if received or child.returncode:
+            _end_opened_runs(opened, "KILLED" if received else "FAILED")
         if not received:
             return child.returncode if child.returncode >= 0 else 128 - child.returncode
         print(stopped(), flush=True)
         return INTERRUPTED
     finally:
+        notes.cleanup()
         for number, handler in previous.items():
             signal.signal(number, handler)
 
@@ -101,6 +111,16 @@ def _live_descendants() -> list[psutil.Process]:
             if process.status() != psutil.STATUS_ZOMBIE:
                 found.append(process)
     return found
+
+
+def _end_opened_runs(opened: Path, status: str) -> None:
+    """Ends with ``status`` the MLflow runs noted in ``opened`` that the child's processes left RUNNING."""
+    if not opened.is_file():
+        return
+    from tasks.runtime import tracking
+
+    with contextlib.suppress(Exception):  # a store out of reach leaves them RUNNING: the command still stops
+        tracking.end_open_runs(opened.read_text().split(), status)
 
 
 def kept_work(folder: str | Path) -> str:

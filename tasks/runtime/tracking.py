@@ -27,11 +27,12 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import time
 import importlib.metadata
 from numbers import Real
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 from mlflow import MlflowClient, get_tracking_uri
 from mlflow.entities import Metric, Param, RunTag
@@ -39,6 +40,7 @@ from mlflow.exceptions import MlflowException
 
 from vip_core.config import VipConfig, flatten
 from tasks.runtime.environment import state_paths
+from tasks.runtime.stopping import OPENED_RUNS_ENV
 
 EXPERIMENT = "vip"
 ENCODER_MODEL_NAME = "vip-encoder"
@@ -106,9 +108,19 @@ def start_run(
     if parent_run_id:
         all_tags[PARENT_TAG] = parent_run_id
     run = client().create_run(experiment_id(experiment), run_name=name, tags=all_tags)
+    _note_opened(run.info.run_id)
     if config is not None:
         log_config(run.info.run_id, config)
     return run.info.run_id
+
+
+def _note_opened(run_id: str) -> None:
+    """Appends ``run_id`` to the file named by ``VIP_OPENED_RUNS`` (set for the processes of a command run by
+    :func:`~tasks.runtime.stopping.run_supervised`), which ends the runs a stopped command left open."""
+    notes = os.environ.get(OPENED_RUNS_ENV)
+    if notes:
+        with open(notes, "a", encoding="utf-8") as file:
+            file.write(f"{run_id}\n")
 
 
 def end_run(run_id: str, status: str = "FINISHED") -> None:
@@ -357,6 +369,17 @@ def child_runs(parent_run_id: str) -> list:
         filter_string=f"tags.`{PARENT_TAG}` = '{parent_run_id}'",
         order_by=["attributes.start_time ASC"],
     )
+
+
+def end_open_runs(run_ids: Iterable[str], status: str) -> int:
+    """Ends with ``status`` (KILLED, FAILED) those of ``run_ids`` still RUNNING: the runs of a command that was stopped
+    or died, whose processes could not end them; returns how many."""
+    ended = 0
+    for run_id in dict.fromkeys(run_ids):
+        if client().get_run(run_id).info.status == "RUNNING":
+            end_run(run_id, status)
+            ended += 1
+    return ended
 
 
 def _tracking_scheme() -> str:

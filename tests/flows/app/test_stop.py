@@ -75,6 +75,7 @@ class Terminal:
 def test_ctrl_c_on_make_run_stops_every_process_says_what_was_kept_and_the_same_command_resumes(tmp_path):
     command = [sys.executable, "-m", "flows.app.run", "run", "--preset", "tiny", "--images", "40",
                "--web-port", str(free_port())]
+    started_ms = int(time.time() * 1000)
     first = Terminal(command, tmp_path / "home", tmp_path / "first.log")
     first.wait_for("Task run 'render' - Finished in state Completed", timeout_s=600)
     deadline = time.monotonic() + 300
@@ -88,12 +89,23 @@ def test_ctrl_c_on_make_run_stops_every_process_says_what_was_kept_and_the_same_
     assert len(stopped) == 1 and "render finished" in stopped[0] and "pretrain-syn" in stopped[0], output
     assert "run the same command again" in stopped[0]
     assert "Traceback" not in output and output.rstrip().endswith(stopped[0]), output
+    assert _mlflow_statuses(started_ms) == {"KILLED"}, "the stopped flow's MLflow runs are not all marked KILLED"
 
     again = Terminal(command, tmp_path / "home", tmp_path / "again.log")
     again.wait_for("Task run 'render' - Finished in state Cached", timeout_s=300)
     assert "size: " in again.output() and "render done" in again.output()
     again.ctrl_c()
     assert again.process.returncode == 130 and "Traceback" not in again.output()
+
+
+def _mlflow_statuses(since_ms: int) -> set[str]:
+    """The statuses of the MLflow runs that were open when the command was stopped (started since ``since_ms``; the
+    command's store is the test session's, inherited through ``MLFLOW_TRACKING_URI``), finished ones left out."""
+    from tasks.runtime import tracking
+
+    runs = tracking.client().search_runs([tracking.experiment_id()],
+                                         filter_string=f"attributes.start_time >= {since_ms}")
+    return {run.info.status for run in runs if run.info.status != "FINISHED"}
 
 
 def test_ctrl_c_on_vip_render_stops_its_renderers_and_names_the_shards_kept(tmp_path):
@@ -170,6 +182,7 @@ def test_ctrl_c_on_vip_pretrain_stops_ray_and_resume_goes_on_from_its_last_check
     shards, output = _noise_shards(tmp_path / "shards", 96), tmp_path / "pretrain"
     command = [sys.executable, "-m", "tasks.cli", "pretrain", "--stage", "synthetic", "--preset", "tiny", "--data",
                str(shards), "--output", str(output), "--steps", "40", "--batch-size", "32", "--checkpoint-every", "2"]
+    started_ms = int(time.time() * 1000)
     first = Terminal(command, tmp_path / "home", tmp_path / "first.log")
     deadline = time.monotonic() + 300
     while not list(output.glob("ray/*/checkpoint_*")):
@@ -180,6 +193,7 @@ def test_ctrl_c_on_vip_pretrain_stops_ray_and_resume_goes_on_from_its_last_check
     assert first.process.returncode == 130 and "Traceback" not in text, text
     assert f"vip pretrain: stopped. Kept in {output}: " in text and " checkpoints. To resume: " in text, text
     assert "--resume" in text.splitlines()[-1]
+    assert _mlflow_statuses(started_ms) == {"KILLED"}, "the stopped stage's MLflow run is not marked KILLED"
 
     resumed = subprocess.run([*command, "--resume"], cwd=ROOT, capture_output=True, text=True, timeout=600,
                              env={**os.environ, "VIP_HOME": str(tmp_path / "home")})

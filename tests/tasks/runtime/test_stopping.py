@@ -1,0 +1,70 @@
+"""A supervised command's MLflow runs when it is stopped or dies: the runs it opened and left open are ended, as the
+MLflow UI then shows them, and runs it ended itself keep their status. Each command runs in a session of its own,
+as a shell starts it, on the test session's MLflow store (``MLFLOW_TRACKING_URI`` is inherited)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from tasks.runtime import tracking
+
+ROOT = Path(__file__).resolve().parents[3]
+
+# The supervised child: opens a run it ends, then one it leaves open, prints their ids, then waits or dies.
+CHILD = textwrap.dedent("""
+    import os, sys, time
+    from tasks.runtime import tracking
+    ended = tracking.start_run("ended by the command")
+    tracking.end_run(ended)
+    left = tracking.start_run("left open")
+    print(ended, left, flush=True)
+    if sys.argv[1] == "die":
+        os._exit(3)
+    time.sleep(600)
+""")
+
+
+def _supervised(tmp_path: Path, how: str) -> tuple[subprocess.Popen, Path]:
+    tracking.experiment_id()  # the store made here first: two processes making one sqlite store would collide
+    log = tmp_path / f"{how}.log"
+    program = ("import sys\nfrom tasks.runtime.stopping import run_supervised\n"
+               f"sys.exit(run_supervised([sys.executable, '-c', {CHILD!r}, {how!r}], stopped=lambda: 'stopped'))")
+    with open(log, "wb") as output:
+        process = subprocess.Popen([sys.executable, "-c", program], cwd=ROOT, stdout=output,
+                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return process, log
+
+
+def _run_ids(log: Path, process: subprocess.Popen, timeout_s: float = 120.0) -> list[str]:
+    deadline = time.monotonic() + timeout_s
+    while not log.read_text().strip():
+        assert process.poll() is None or log.read_text().strip(), f"exited {process.returncode}: {log.read_text()}"
+        assert time.monotonic() < deadline, "the child opened no run"
+        time.sleep(0.2)
+    return log.read_text().split()[:2]
+
+
+def _status(run_id: str) -> str:
+    return tracking.client().get_run(run_id).info.status
+
+
+def test_ctrl_c_marks_the_runs_the_command_left_open_killed(tmp_path):
+    process, log = _supervised(tmp_path, "wait")
+    ended, left = _run_ids(log, process)
+    os.killpg(process.pid, signal.SIGINT)
+    assert process.wait(timeout=60) == 130, log.read_text()
+    assert (_status(ended), _status(left)) == ("FINISHED", "KILLED")
+
+
+def test_a_command_that_dies_leaves_its_open_runs_failed(tmp_path):
+    process, log = _supervised(tmp_path, "die")
+    assert process.wait(timeout=120) == 3, log.read_text()
+    ended, left = _run_ids(log, process)
+    assert (_status(ended), _status(left)) == ("FINISHED", "FAILED")
