@@ -27,13 +27,15 @@ def register(subparsers: Any) -> None:
         subparsers, "ingest", handle_ingest, help="download a LAION-format url list into clean webdataset shards",
         description="Downloads a url list (parquet, csv or jsonl with a URL column) with img2dataset, drops "
         "failed downloads, NSFW-tagged, small and extreme-aspect images and rows failing --condition, removes "
-        "exact and perceptual duplicates (one global pass) and near duplicates of --eval-images, and writes web-*.tar "
+        "exact and perceptual duplicates (one global pass) and near duplicates of --eval-data, and writes web-*.tar "
         "shards, manifest.parquet and stats.json in --output. Honours X-Robots-Tag: noai. Resumes a killed run. "
         "--distributor ray runs it on the Ray cluster of RAY_ADDRESS (else a local Ray).",
     )
     parser.add_argument("--url-list", required=True, help="LAION-format url list (.parquet, .csv or .jsonl)")
     add_output(parser, "the clean shards, manifest.parquet and stats.json")
-    parser.add_argument("--eval-images", help="folder (or fsspec URL) of downstream evaluation images to decontaminate against")
+    parser.add_argument("--eval-data", "--eval-images", dest="eval_images", metavar="DIR",
+                        help="the evaluation data (a folder or fsspec URL), as `vip shards --eval-data` and make's "
+                        "EVAL_DATA take it: near duplicates of any image below it are removed")
     add_preset(parser)
     add_config_flags(parser, INGEST_FLAGS)
     parser.add_argument("--condition", action="append",

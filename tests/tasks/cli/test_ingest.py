@@ -34,6 +34,7 @@ def test_bad_conditions_and_evaluation_folders_are_one_line_errors(tmp_path):
         (["--condition", "aesthetic > 5"], "names column 'aesthetic'"),
         (["--condition", "similarity is high"], "is not of the form"),
         (["--eval-images", str(tmp_path / "nowhere")], "evaluation image folder"),
+        (["--eval-data", str(tmp_path / "nowhere")], "evaluation image folder"),  # the name vip shards and make use
     ]:
         result = subprocess.run(base + extra, cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert result.returncode == 2
