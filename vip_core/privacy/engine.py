@@ -592,8 +592,9 @@ def _group_norms(engine: DPEngine, records: Any, plain: Any, norms: Norms) -> li
     work += [functools.partial(_plain, param, grads, add_rows) for param, grads in plain]
     weights += [grads.numel() for _, grads in plain]
     for (group_norms, group_sums), weight in zip(_spread(work, weights, norms.values.device), weights):
-        norms.values += group_norms.values
+        norms.merge(group_norms)
         sums += [(weight, add) for add in group_sums]
+    norms.fold_squares()
     return sums
 
 

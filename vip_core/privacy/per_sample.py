@@ -62,20 +62,38 @@ class Record:
 class Norms:
     """A microbatch's per-sample quantities, ``values`` ``[4, B]`` float64: the computed squared norm (for the clip
     factors' shortfall), ``U²`` (it plus its rounding bound), the rounding margin ``M²`` and ``Z``, as
-    :func:`~vip_core.privacy.numerics.clip_factors` takes them."""
+    :func:`~vip_core.privacy.numerics.clip_factors` takes them once :meth:`fold_squares` has run. Materialised
+    gradients' squared norms are gathered apart (``squares``, with the number of entries they sum) and folded in with
+    their bound once: the bound is linear in both, so one bound of the total is the sum of the pieces' bounds."""
 
     def __init__(self, batch: int, device: torch.device) -> None:
         self.values = torch.zeros(4, batch, dtype=torch.float64, device=device)
+        self.squares: torch.Tensor | None = None  # squares: [B] float64
+        self.square_entries = 0
 
     def add(self, terms: torch.Tensor, rows: int = 1) -> None:
         """Adds ``terms`` ``[4, L·B·rows]`` (layer, sample, row; as the rows of :attr:`values`) per sample."""
         self.values += terms.view(4, -1, self.values.shape[1], rows).sum((1, 3))
 
-    def add_squares(self, squares: torch.Tensor, width: int) -> None:
-        """Adds materialised gradients' squared norms ``[L, B]`` (``width`` entries in all) and their bound."""
-        squares = squares.sum(0)  # [B]
-        self.values[0] += squares
-        self.values[1] += numerics.squares_bound(squares, width)
+    def add_squares(self, squares: torch.Tensor, entries: int) -> None:
+        """Adds materialised gradients' squared norms ``[B]`` (a new tensor, kept and added to in place), summed in
+        float64 from ``entries`` float32 squares."""
+        self.squares = squares if self.squares is None else self.squares.add_(squares)
+        self.square_entries += entries
+
+    def merge(self, other: "Norms") -> None:
+        """Adds another accumulator's quantities (a group computed apart)."""
+        self.values += other.values
+        if other.squares is not None:
+            self.add_squares(other.squares, other.square_entries)
+
+    def fold_squares(self) -> None:
+        """Adds the gathered squares to the computed squared norm, and they plus their bound to ``U²``."""
+        if self.squares is None:
+            return
+        self.values[0] += self.squares
+        self.values[1] += numerics.squares_bound(self.squares, self.square_entries)
+        self.squares, self.square_entries = None, 0
 
 
 # sum(factors [B] float32, 0 for a sample not kept; sanitize: whether a sample was not finite): adds Σᵢ fᵢ·gᵢ
@@ -88,7 +106,7 @@ def piece(params: list[nn.Parameter], values: torch.Tensor, norms: Norms, add_ro
     their squares summed in float64 into ``norms``; the returned sum adds ``Σᵢ fᵢ·valuesᵢ`` (one batched matvec, the
     non-finite entries of samples not kept, whose factor is 0, cleared first)."""
     layers, batch, width = values.shape
-    norms.add_squares(torch.sum(values * values, dim=2, dtype=torch.float64), layers * width)
+    norms.add_squares(torch.sum(values * values, dim=(0, 2), dtype=torch.float64), layers * width)
 
     def add(factors: torch.Tensor, sanitize: bool) -> None:
         kept = _cleared(values, sanitize)  # kept: [L, B, n]
