@@ -41,6 +41,9 @@ SMALLEST_NORMAL = 2.0**-126  # below it a float32 or bfloat16 number may be flus
 FACTOR_ROUNDING = 1 - 2.0**-23  # a float64 clip factor times this rounds to a float32 no larger than it
 
 
+MAX_SQUARED_TERMS = 1 << 30  # squares_bound's reach: (1 + 2^-24)(1 + γ_n at 2^-53) <= 1 + 2^-22 for n <= 1.6e9
+
+
 def gamma(terms: int, unit_roundoff: float) -> float:
     """Higham's ``γₙ = n·u / (1 − n·u)``: the relative error of a sum or dot product of ``n`` terms."""
     if terms * unit_roundoff >= 0.5:
@@ -254,7 +257,11 @@ def gram_bound(grad_norms: torch.Tensor, width: int, unit_roundoff: float) -> to
 
 def squares_bound(squares: torch.Tensor, terms: int) -> torch.Tensor:
     """An upper bound on a squared norm of ``terms`` float32 entries whose squares (each rounded once) were summed
-    in float64 into ``squares``: ``(1 + 2^-22)·squares + terms·η``."""
+    in float64 into ``squares``, in any order: ``(1 + 2^-22)·squares + terms·η``. The slack covers the squares'
+    rounding (2^-24) and the float64 sum's (``γ_terms`` at 2^-53) up to :data:`MAX_SQUARED_TERMS` terms."""
+    if terms > MAX_SQUARED_TERMS:
+        raise ValueError(f"a squared norm summed from {terms:,} entries per sample is beyond the rounding bound's "
+                         f"reach of {MAX_SQUARED_TERMS:,}: the model has too many materialised parameters (biases, norms, tokens)")
     return squares * (1 + 2.0**-22) + terms * SMALLEST_NORMAL
 
 

@@ -3,8 +3,9 @@
 The engine (:mod:`vip_core.privacy.engine`) runs one forward and one backward that computes activation gradients
 only, and keeps, for every call of a supported layer, its input ``A`` and output gradient ``G`` (a
 :class:`Record`). After the backward, layers whose kept tensors have one shape (a ViT's repeated blocks) form a
-group, stacked once: each group adds its samples' squared norms and error bounds to a :class:`Norms`
-(``[B]`` per quantity, one set of operations per group instead of one per layer) and returns a
+group, stacked once: each group adds its samples' squared norms to a :class:`Norms` (ghost norms with their error
+bounds; materialised gradients' squares, bounded once all are in), ``[B]`` per quantity, one set of operations per
+group instead of one per layer, and returns a
 :class:`Sum`, which adds ``Σᵢ fᵢ·gᵢ`` to the gradient buffer once the clip factors ``f`` are known.
 
 Linear and Conv2d weights choose by book-keeping (Bu et al., 2023) between the ghost norm
@@ -76,16 +77,18 @@ class Norms:
         self.values += terms.view(4, -1, self.values.shape[1], rows).sum((1, 3))
 
     def add_squares(self, squares: torch.Tensor, entries: int) -> None:
-        """Adds materialised gradients' squared norms ``[B]`` (a new tensor, kept and added to in place), summed in
-        float64 from ``entries`` float32 squares."""
+        """Adds materialised gradients' squared norms ``[B]``, summed in float64 from ``entries`` float32 squares;
+        ``squares`` becomes this accumulator's (kept and added to in place): the caller lets it go."""
         self.squares = squares if self.squares is None else self.squares.add_(squares)
         self.square_entries += entries
 
     def merge(self, other: "Norms") -> None:
-        """Adds another accumulator's quantities (a group computed apart)."""
+        """Moves another accumulator's quantities (a group computed apart) into this one; ``other`` keeps its
+        ``values`` but gives up its squares."""
         self.values += other.values
         if other.squares is not None:
             self.add_squares(other.squares, other.square_entries)
+            other.squares, other.square_entries = None, 0
 
     def fold_squares(self) -> None:
         """Adds the gathered squares to the computed squared norm, and they plus their bound to ``U²``."""

@@ -479,6 +479,27 @@ def test_the_ghost_bounds_are_never_below_the_exact_errors():
         assert error <= factor * float(terms[2, row].sqrt()) + float(terms[3, row])
 
 
+def test_materialised_squares_folded_once_bound_every_pieces_exact_squares_and_a_count_beyond_reach_is_refused():
+    """Pieces of float32 entries of very different sizes, gathered in one Norms (two of them merged, as groups
+    computed apart are): the folded U² is at least the exact float64 sum of the exact squares, the computed row is
+    the float64 sum of the float32 squares; and the bound refuses more entries than its slack covers."""
+    torch.manual_seed(0)
+    pieces = [torch.randn(3, 4, n) * scale for n, scale in ((5, 1e-3), (700, 1.0), (33, 1e4))]  # [L, B, n] each
+    norms, group = per_sample.Norms(4, torch.device("cpu")), per_sample.Norms(4, torch.device("cpu"))
+    per_sample.piece([], pieces[0], norms, lambda params, values: None)
+    for values in pieces[1:]:
+        per_sample.piece([], values, group, lambda params, values: None)
+    norms.merge(group)
+    assert group.squares is None  # given up to the accumulator it was merged into
+    norms.fold_squares()
+    exact = sum((values.double() ** 2).sum((0, 2)) for values in pieces)  # [B]
+    computed = sum((values * values).double().sum((0, 2)) for values in pieces)
+    assert torch.allclose(norms.values[0], computed, rtol=1e-15, atol=0)
+    assert bool((norms.values[1] >= exact).all()) and bool((norms.values[1] <= exact * (1 + 2.0**-21)).all())
+    with pytest.raises(ValueError, match="beyond the rounding bound's reach"):
+        numerics.squares_bound(exact, numerics.MAX_SQUARED_TERMS + 1)
+
+
 def test_the_probe_passes_ieee_float32_and_catches_a_coarser_accumulator():
     cpu = torch.device("cpu")
     assert numerics.probe_matrix_units(numerics.CPU_MIXED.bmm, cpu, numerics.TENSOR_CORE_ROUNDOFF) is None
