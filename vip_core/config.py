@@ -68,18 +68,21 @@ class _Frozen(BaseModel):
 class ModelConfig(_Frozen):
     """The masked autoencoder: a ViT encoder and a light ViT decoder."""
 
-    img_size: int = Field(224, gt=0)
-    patch_size: int = Field(16, gt=0)
-    in_chans: int = Field(3, gt=0)
-    embed_dim: int = Field(768, gt=0)
-    depth: int = Field(12, gt=0)
-    num_heads: int = Field(12, gt=0)
-    decoder_embed_dim: int = Field(512, gt=0)
-    decoder_depth: int = Field(4, gt=0)
-    decoder_num_heads: int = Field(16, gt=0)
-    mlp_ratio: float = Field(4.0, gt=0)
-    mask_ratio: float = 0.75
-    norm_pix_loss: bool = False
+    img_size: int = Field(224, gt=0, description="side in pixels of the square input images (pre-training and "
+                                                 "classification images are resized to it)")
+    patch_size: int = Field(16, gt=0, description="side in pixels of a patch; img_size must be a multiple of it")
+    in_chans: int = Field(3, gt=0, description="image channels (the loaders decode RGB: 3)")
+    embed_dim: int = Field(768, gt=0, description="encoder width; a multiple of num_heads")
+    depth: int = Field(12, gt=0, description="encoder blocks")
+    num_heads: int = Field(12, gt=0, description="encoder attention heads")
+    decoder_embed_dim: int = Field(512, gt=0, description="decoder width; a multiple of decoder_num_heads")
+    decoder_depth: int = Field(4, gt=0, description="decoder blocks")
+    decoder_num_heads: int = Field(16, gt=0, description="decoder attention heads")
+    mlp_ratio: float = Field(4.0, gt=0, description="MLP hidden width over block width, in encoder and decoder")
+    mask_ratio: float = Field(0.75, description="fraction of each image's patches masked; the encoder sees "
+                                                "int(L * (1 - mask_ratio)) of the L patches")
+    norm_pix_loss: bool = Field(False, description="regress each patch's pixels normalised by that patch's mean and "
+                                                   "variance; false: the pixels as they are")
 
     @field_validator("mask_ratio")
     @classmethod
@@ -106,6 +109,8 @@ class ModelConfig(_Frozen):
         return (self.img_size // self.patch_size) ** 2
 
 
+ACCOUNTANT_HELP = ("bounds ε to calibrate σ and report: pld (tight), prv (tight, plus its error budget), rdp (loose; "
+                   "the paper's)")
 STRICT_FLOAT32_HELP = ("IEEE float32 per-sample norms and clipped sums instead of the GPU's tensor cores under a "
                        "stated rounding bound (docs/privacy.md, rule 12): slower, the same guarantee")
 
@@ -116,13 +121,16 @@ class PrivacyConfig(_Frozen):
     ``target_epsilon`` is the budget of the private data set: every run charged to its ledger composed.
     """
 
-    enabled: bool = True
+    enabled: bool = Field(True, description="DP-SGD in the private stage; false: it trains without privacy and the "
+                                            "data set's ledger is charged ε = ∞")
     target_epsilon: float = Field(8.0, gt=0, description="budget of the private data set, all its runs composed")
     delta: float | None = Field(None, gt=0, lt=1, description="None: 1/(2N) for the measured N")
-    max_grad_norm: float = Field(0.1, gt=0, allow_inf_nan=False)
+    max_grad_norm: float = Field(0.1, gt=0, allow_inf_nan=False,
+                                 description="C: each sample's gradient over every trained parameter is clipped to "
+                                             "this L2 norm; the noise's std is σC")
     noise_multiplier: float | None = Field(None, allow_inf_nan=False,
                                            description="None: calibrated by the accountant")
-    accountant: Accountant = "pld"
+    accountant: Accountant = Field("pld", description=ACCOUNTANT_HELP)
     secure_mode: bool = Field(False, description="draw noise, samples and masks from the OS CSPRNG (slower)")
     strict_float32: bool = Field(False, description=STRICT_FLOAT32_HELP)
     log_private_statistics: bool = Field(
@@ -140,18 +148,25 @@ class PrivacyConfig(_Frozen):
 class IngestConfig(_Frozen):
     """Web-image ingestion: download, filter, deduplicate, decontaminate."""
 
-    image_size: int = Field(256, gt=0)
-    processes: int = Field(1, gt=0)
-    threads: int = Field(8, gt=0)
-    timeout_s: float = Field(5.0, gt=0)
-    min_side: int = Field(32, ge=1)
-    max_aspect_ratio: float = Field(3.0, ge=1.0)
-    drop_nsfw: bool = True
+    image_size: int = Field(256, gt=0, description="side in pixels of the square images written to the shards: the "
+                                                   "shorter side scaled to it, the centre cut out")
+    processes: int = Field(1, gt=0, description="img2dataset's download processes (url lists)")
+    threads: int = Field(8, gt=0, description="download threads per img2dataset process (url lists)")
+    timeout_s: float = Field(5.0, gt=0, description="seconds before a download is abandoned (failed, not retried)")
+    min_side: int = Field(32, ge=1, description="images whose original shorter side is below this, in pixels, are "
+                                               "filtered out")
+    max_aspect_ratio: float = Field(3.0, ge=1.0, description="images whose long side over short side exceeds this "
+                                                            "are filtered out")
+    drop_nsfw: bool = Field(True, description="filter out url-list rows tagged NSFW in an NSFW column, or with punsafe "
+                                              "above max_punsafe")
     conditions: tuple[str, ...] = Field((), description="extra row filters, e.g. 'similarity >= 0.28'")
-    phash_max_distance: int = Field(4, ge=0, le=64)
-    decontaminate_max_distance: int = Field(6, ge=0, le=64)
-    respect_noai: bool = True
-    samples_per_shard: int = Field(1000, gt=0)
+    phash_max_distance: int = Field(4, ge=0, le=64, description="an image within this many bits (64-bit pHash) of an "
+                                                               "earlier kept one is a near duplicate, dropped")
+    decontaminate_max_distance: int = Field(6, ge=0, le=64, description="an image within this many pHash bits of an "
+                                                                       "evaluation image is dropped")
+    respect_noai: bool = Field(True, description="refuse images served with X-Robots-Tag noai, noimageai, noindex or "
+                                                 "noimageindex (url lists)")
+    samples_per_shard: int = Field(1000, gt=0, description="input rows (urls or image files) per shard")
     max_punsafe: float = Field(0.5, ge=0, le=1, description="drop_nsfw also drops rows with punsafe above this")
     max_image_pixels: int = Field(89_478_485, gt=0, description="larger images are refused as decompression bombs")
     distributor: Distributor = Field(
@@ -172,12 +187,14 @@ class IngestConfig(_Frozen):
 class RenderConfig(_Frozen):
     """Synthetic images from procedural shader programs (Shaders21k-style)."""
 
-    num_images: int = Field(2000, gt=0)
-    size: int = Field(64, gt=0)
-    seed: int = 0
+    num_images: int = Field(2000, gt=0, description="images to render (one that none of its 16 program draws "
+                                                    "renders is left out)")
+    size: int = Field(64, gt=0, description="side in pixels of the square rendered images")
+    seed: int = Field(0, description="seed of the program order, times and mixups drawn (the images follow from it); "
+                                     "must be >= 0")
     mixup: int = Field(0, ge=0, description="K > 1: convex mixup of K images (Shaders21k-6mixup: 6)")
-    workers: int = Field(1, gt=0)
-    samples_per_shard: int = Field(1000, gt=0)
+    workers: int = Field(1, gt=0, description="render processes, one OpenGL context each; 1: in this process")
+    samples_per_shard: int = Field(1000, gt=0, description="images per shard")
     images_per_program: int = Field(
         50, gt=0, description="images rendered per compiled program draw (Shaders21k: 21k programs x 50)"
     )
@@ -187,9 +204,11 @@ class RenderConfig(_Frozen):
 class DataConfig(_Frozen):
     """Where the data comes from and how it is prepared."""
 
-    ingest: IngestConfig = IngestConfig()
-    render: RenderConfig = RenderConfig()
-    loader_workers: int = Field(0, ge=0)
+    ingest: IngestConfig = Field(IngestConfig(), description="the private images: a url list downloaded, or image "
+                                                             "files, cleaned into shards")
+    render: RenderConfig = Field(RenderConfig(), description="the synthetic images of the first pre-training stage")
+    loader_workers: int = Field(0, ge=0, description="read by no stage (pre-training's decoders follow "
+                                                     "cpus_per_worker); in the pre-training stages' cache keys")
 
 
 class TrainingConfig(_Frozen):
@@ -197,20 +216,27 @@ class TrainingConfig(_Frozen):
 
     batch_size: int = Field(4096, gt=0, description="expected logical batch size B; q = B / N")
     physical_batch_size: int = Field(64, gt=0, description="microbatch bound, for memory only")
-    steps: int = Field(100, gt=0)
+    steps: int = Field(100, gt=0, description="logical steps T; a private stage calibrates σ over T and stops before "
+                                              "ε would pass target_epsilon")
     lr: float | None = Field(None, gt=0, description="None: base_lr * batch_size / 256")
-    base_lr: float = Field(1.5e-4, gt=0)
-    betas: tuple[float, float] = (0.9, 0.95)
-    weight_decay: float = Field(0.05, ge=0)
-    warmup_steps: int = Field(0, ge=0)
-    schedule: Literal["cosine", "constant"] = "cosine"
-    min_lr: float = Field(0.0, ge=0)
-    seed: int = 0
-    checkpoint_every: int = Field(50, gt=0)
+    base_lr: float = Field(1.5e-4, gt=0, description="peak lr per 256 images, used when lr is None")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW's moment decays (β1, β2)")
+    weight_decay: float = Field(0.05, ge=0, description="AdamW's decoupled weight decay, on weights of 2 or more "
+                                                        "dimensions (not biases, norms)")
+    warmup_steps: int = Field(0, ge=0, description="steps of linear warmup to the peak lr; 0: none")
+    schedule: Literal["cosine", "constant"] = Field(
+        "cosine", description="after warmup: cosine decay to min_lr at the last step, or constant at the peak lr")
+    min_lr: float = Field(0.0, ge=0, description="the cosine schedule's final lr")
+    seed: int = Field(0, description="seed of the initial weights and, when the stage is not private, of its "
+                                     "sampling, masks and crops")
+    checkpoint_every: int = Field(50, gt=0, description="steps between checkpoints reported to Ray Train (a restarted "
+                                                        "worker group resumes there), and at the end")
     num_workers: int = Field(1, gt=0, description="Ray Train workers")
-    cpus_per_worker: float = Field(1.0, gt=0)
-    use_gpu: bool = False
-    precision: Literal["fp32", "bf16"] = "fp32"
+    cpus_per_worker: float = Field(1.0, gt=0, description="CPUs Ray reserves for each worker; it decodes images on "
+                                                          "max(2, round(cpus_per_worker)) processes")
+    use_gpu: bool = Field(False, description="one GPU per worker (NCCL); false: CPU workers (gloo)")
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32", description="bf16: forwards under bfloat16 autocast (weights, gradients, AdamW state stay float32)")
     augmentation: Literal["none", "rrc_flip"] = Field(
         "none", description="rrc_flip: a random resized crop and a horizontal flip per sample (the paper's recipe)")
     crop_scale: tuple[float, float] = Field((0.2, 1.0), description="rrc_flip: range of the crop's area fraction")
@@ -266,16 +292,21 @@ class FinetunePrivacyConfig(_Frozen):
     that both runs composed, with any earlier run on the set, stay within ``target_epsilon``.
     """
 
-    enabled: bool = False
-    target_epsilon: float = Field(8.0, gt=0)
+    enabled: bool = Field(False, description="fine-tune under DP, the fine-tuning set treated as private; false: "
+                                             "plain fine-tuning")
+    target_epsilon: float = Field(8.0, gt=0, description="budget of the fine-tuning set, all its runs composed (a "
+                                                         "job's random-init baseline run included)")
     delta: float | None = Field(None, gt=0, lt=1, description="None: 1/(2N) for the fine-tuning set's N")
-    max_grad_norm: float = Field(1.0, gt=0, allow_inf_nan=False)
+    max_grad_norm: float = Field(1.0, gt=0, allow_inf_nan=False,
+                                 description="C: each example's gradient over every trained parameter (encoder and "
+                                             "head) is clipped to this L2 norm")
     noise_multiplier: float | None = Field(None, ge=0, allow_inf_nan=False,
                                            description="None: calibrated by the accountant")
     batch_size: int = Field(256, gt=0, description="expected logical batch size; q = batch_size / N")
-    physical_batch_size: int = Field(64, gt=0)
-    steps: int = Field(100, gt=0)
-    accountant: Accountant = "pld"
+    physical_batch_size: int = Field(64, gt=0, description="microbatch bound, for memory only")
+    steps: int = Field(100, gt=0, description="logical steps of each run (in place of finetune_epochs); σ is "
+                                              "calibrated over them")
+    accountant: Accountant = Field("pld", description=ACCOUNTANT_HELP)
     secure_mode: bool = Field(False, description="draw noise and samples from the OS CSPRNG (slower)")
     strict_float32: bool = Field(False, description=STRICT_FLOAT32_HELP)
 
@@ -283,7 +314,7 @@ class FinetunePrivacyConfig(_Frozen):
 class EvalPair(_Frozen):
     """One evaluation of the suite: ``task`` on the data set in the folder ``data`` below the evaluation root."""
 
-    task: EvalTask
+    task: EvalTask = Field(description="the evaluation run on the folder data")
     data: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="a folder below the evaluation root")
 
     @property
@@ -328,40 +359,55 @@ class EvaluationConfig(_Frozen):
     encoder_weights: Literal["final", "ema"] = Field(
         "final", description="the checkpoint's weights evaluated: its final weights, or their moving average "
         "(ema, from a stage trained with ema_decay > 0)")
-    linprobe_last_blocks: int = Field(4, gt=0)
-    linprobe_epochs: int = Field(10, gt=0)
-    linprobe_lr: float = Field(0.1, gt=0)
-    linprobe_optimizer: Literal["lars", "sgd"] = "lars"
+    linprobe_last_blocks: int = Field(4, gt=0, description="linprobe and fewshot features: the mean-pooled patch "
+                                                           "tokens of the encoder's last k blocks, concatenated")
+    linprobe_epochs: int = Field(10, gt=0, description="epochs of the linear probe on frozen features")
+    linprobe_lr: float = Field(0.1, gt=0, description="the probe's base lr per 256 examples")
+    linprobe_optimizer: Literal["lars", "sgd"] = Field(
+        "lars", description="the probe's optimizer: LARS (MAE's) or SGD, momentum 0.9, no weight decay")
     linprobe_batch_size: int | None = Field(None, gt=0, description="None: batch_size")
-    finetune_epochs: int = Field(5, gt=0)
-    finetune_lr: float = Field(1e-3, gt=0)
-    finetune_weight_decay: float = Field(0.05, ge=0)
+    finetune_epochs: int = Field(5, gt=0, description="epochs of fine-tuning (DP fine-tuning takes "
+                                                      "finetune_privacy.steps instead)")
+    finetune_lr: float = Field(1e-3, gt=0, description="fine-tuning AdamW's base lr per 256 examples, layer-decayed "
+                                                       "down the encoder")
+    finetune_weight_decay: float = Field(0.05, ge=0, description="fine-tuning AdamW's weight decay (not on biases, "
+                                                                 "norms, tokens)")
     finetune_batch_size: int | None = Field(None, gt=0, description="None: batch_size")
-    finetune_privacy: FinetunePrivacyConfig = FinetunePrivacyConfig()
+    finetune_privacy: FinetunePrivacyConfig = Field(
+        FinetunePrivacyConfig(), description="DP fine-tuning, off by default: the fine-tuning set gets its own ε, δ")
     finetune_drop_path: float = Field(0.0, ge=0, lt=1, description="stochastic depth of the last block (linear "
                                                                    "from 0 at the first)")
-    finetune_label_smoothing: float = Field(0.0, ge=0, lt=1)
+    finetune_label_smoothing: float = Field(0.0, ge=0, lt=1, description="label smoothing of the fine-tuning "
+                                                                        "targets; 0: off")
     finetune_mixup: float = Field(0.0, ge=0, description="mixup's Beta alpha, 0: off (left off in DP fine-tuning)")
     finetune_cutmix: float = Field(0.0, ge=0, description="cutmix's Beta alpha, 0: off (left off in DP fine-tuning)")
     finetune_randaugment: int = Field(0, ge=0, le=10, description="RandAugment's magnitude (of 10), 2 operations "
                                                                  "per training image; 0: off")
-    layer_decay: float = Field(0.75, gt=0, le=1)
-    fewshot_shots: tuple[int, ...] = (1, 5, 10)
-    fewshot_seeds: int = Field(3, gt=0)
+    layer_decay: float = Field(0.75, gt=0, le=1, description="finetune, coco, ade20k: encoder layer l learns at lr * "
+                                                            "layer_decay^(depth + 1 - l); 1: no decay")
+    fewshot_shots: tuple[int, ...] = Field((1, 5, 10), description="training images per class (k) of the few-shot "
+                                                                   "classifiers, one result per k")
+    fewshot_seeds: int = Field(3, gt=0, description="draws of the k images per class; mean and std over them")
     fewshot_l2: float = Field(1.0, gt=0, description="ridge penalty on standardised features")
-    batch_size: int = Field(64, gt=0)
-    detection_epochs: int = Field(2, gt=0)
-    detection_img_size: int = Field(1024, gt=0)
-    detection_channels: int = Field(256, gt=0)
-    detection_lr: float = Field(1e-4, gt=0)
-    segmentation_epochs: int = Field(2, gt=0)
-    segmentation_img_size: int = Field(512, gt=0)
-    segmentation_channels: int = Field(256, gt=0)
-    segmentation_lr: float = Field(1e-4, gt=0)
+    batch_size: int = Field(64, gt=0, description="batch of feature extraction, scoring, coco and ade20k; linprobe's "
+                                                  "and finetune's when theirs is None")
+    detection_epochs: int = Field(2, gt=0, description="epochs of the COCO detector's end-to-end training")
+    detection_img_size: int = Field(1024, gt=0, description="side in pixels of the square detection inputs; a "
+                                                            "multiple of 2 x patch_size")
+    detection_channels: int = Field(256, gt=0, description="width of the detector's feature pyramid and heads")
+    detection_lr: float = Field(1e-4, gt=0, description="the detector AdamW's peak lr (absolute), layer-decayed down "
+                                                        "the encoder")
+    segmentation_epochs: int = Field(2, gt=0, description="epochs of the ADE20K segmenter's end-to-end training")
+    segmentation_img_size: int = Field(512, gt=0, description="side in pixels of the square segmentation inputs; a "
+                                                              "multiple of 2 x patch_size")
+    segmentation_channels: int = Field(256, gt=0, description="width of the segmenter's feature pyramid and head")
+    segmentation_lr: float = Field(1e-4, gt=0, description="the segmenter AdamW's peak lr (absolute), layer-decayed "
+                                                           "down the encoder")
     segmentation_num_classes: int | None = Field(150, gt=0, description="None: the largest training label")
     precision: Literal["fp32", "bf16"] = Field("fp32", description="feature extraction and fine-tuning forwards "
                                                                    "under bf16 autocast or not")
-    seed: int = 0
+    seed: int = Field(0, description="seed of the jobs' heads, batch orders, augmentations, few-shot draws and "
+                                     "random-init encoder")
 
     @field_validator("suite")
     @classmethod
@@ -391,13 +437,19 @@ class EvaluationConfig(_Frozen):
 class VipConfig(_Frozen):
     """A whole pipeline run: model, data, the two pre-training stages, privacy and evaluation."""
 
-    name: str = "vip"
-    model: ModelConfig = ModelConfig()
-    privacy: PrivacyConfig = PrivacyConfig()
-    data: DataConfig = DataConfig()
-    synthetic: TrainingConfig = TrainingConfig()
-    private: TrainingConfig = TrainingConfig()
-    evaluation: EvaluationConfig = EvaluationConfig()
+    name: str = Field("vip", description="the run's name: the flows' default workdir is $VIP_HOME/runs/NAME; "
+                                         "recorded in results and exports")
+    model: ModelConfig = Field(ModelConfig(), description="the masked autoencoder: its shape and mask ratio")
+    privacy: PrivacyConfig = Field(PrivacyConfig(), description="DP-SGD of the private stage: budget, clipping, noise, "
+                                                                "accountant")
+    data: DataConfig = Field(DataConfig(), description="ingestion of the private images, rendering of the synthetic "
+                                                       "ones")
+    synthetic: TrainingConfig = Field(TrainingConfig(), description="the first pre-training stage, on the rendered "
+                                                                    "images, without DP")
+    private: TrainingConfig = Field(TrainingConfig(), description="the DP stage on the ingested images "
+                                                                  "(privacy.enabled); the pipeline starts it from "
+                                                                  "synthetic's checkpoint")
+    evaluation: EvaluationConfig = Field(EvaluationConfig(), description="the downstream jobs run on the checkpoint")
 
     @model_validator(mode="after")
     def _stage_batches(self) -> "VipConfig":
