@@ -33,8 +33,8 @@ CACHE_VERSION = 2
 CONFIG_SLICES: dict[str, tuple[str, ...]] = {
     "ingest": ("data.ingest",),
     "render": ("data.render",),
-    "pretrain-syn": ("model", "synthetic", "data.loader_workers"),
-    "pretrain-dp": ("model", "private", "privacy", "data.loader_workers"),
+    "pretrain-syn": ("model", "synthetic"),
+    "pretrain-dp": ("model", "private", "privacy"),
     "audit": ("model", "private", "privacy"),
     # each evaluation job: the evaluation fields it reads, so a change to one job's settings re-runs it alone
     **{f"eval-{task}": ("model", *(f"evaluation.{name}" for name in fields))

@@ -207,8 +207,6 @@ class DataConfig(_Frozen):
     ingest: IngestConfig = Field(IngestConfig(), description="the private images: a url list downloaded, or image "
                                                              "files, cleaned into shards")
     render: RenderConfig = Field(RenderConfig(), description="the synthetic images of the first pre-training stage")
-    loader_workers: int = Field(0, ge=0, description="read by no stage (pre-training's decoders follow "
-                                                     "cpus_per_worker); in the pre-training stages' cache keys")
 
 
 class TrainingConfig(_Frozen):
