@@ -49,6 +49,7 @@ PIPELINE_STAGES = ("ingest", "render", "pretrain-syn", "pretrain-dp")
 TARGET_STAGES = {"run": PIPELINE_STAGES, "ingest": ("ingest",), "render": ("render",),
                  "pretrain-syn": ("render", "pretrain-syn"), "pretrain-dp": PIPELINE_STAGES, "eval": PIPELINE_STAGES,
                  "audit": ()}
+EVALUATING_TARGETS = ("run", "eval")
 FLOW_RUN_FILE_ENV = "VIP_FLOW_RUN_FILE"
 STOPPED_MESSAGE = "stopped (Ctrl-C); the same command resumes it"
 WEB_PORT = 8765
@@ -192,7 +193,8 @@ def supervise(args: argparse.Namespace, config: VipConfig, argv: list[str]) -> i
     served by a Prefect server that outlives it; returns the exit status."""
     folders = target_folders(args, config)
     size = size_run(config, tuple(folders), ingest_rows=_ingest_rows(args),
-                    done={stage for stage, folder in folders.items() if is_finished(folder)})
+                    done={stage for stage, folder in folders.items() if is_finished(folder)},
+                    evaluation=args.target in EVALUATING_TARGETS)
     say(size.line())
     refusal = confirm(size, yes=args.yes, flag="--yes (make: YES=1)")
     if refusal:

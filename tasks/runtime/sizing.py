@@ -1,11 +1,11 @@
 """What a run will cost, said before it starts: images to render and ingest, training steps, and the time expected
 on this machine's devices, from rates the benchmarks measured (:data:`MEASURED`).
 
-The estimate counts rendering, ingestion and the two pre-training stages (evaluation comes on top). It is a guide
-to orders of magnitude, not a promise: the rates were measured on particular machines. A training step costs the
-MAE's arithmetic per image (:func:`mae_train_flops`) at the device's measured rate, plus a fixed per-step cost. A
-run with no GPU here that would take longer than :data:`CPU_DEMO_LIMIT_S` asks for confirmation (:func:`confirm`):
-such a run (the paper's presets) is for GPUs.
+The estimate counts rendering, ingestion and the two pre-training stages; evaluation comes on top, as the line says.
+It is a guide to orders of magnitude, not a promise: the rates were measured on particular machines. A training step
+costs the MAE's arithmetic per image (:func:`mae_train_flops`) at the device's measured rate, plus a fixed per-step
+cost. A run with no GPU here that would take longer than :data:`CPU_DEMO_LIMIT_S` asks for confirmation
+(:func:`confirm`): such a run (the paper's presets) is for GPUs.
 """
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ class RunSize:
 
     parts: tuple[Part, ...]
     devices: Devices
+    evaluation: bool = False  # the run evaluates too, which is not sized
 
     @property
     def seconds(self) -> float:
@@ -88,15 +89,16 @@ class RunSize:
         """The one line said before the run starts."""
         work = ", ".join(part.stage + (" done" if part.done else f" {part.amount} ({duration(part.seconds)})")
                          for part in self.parts)
+        evaluation = ", then evaluation (not sized)" if self.evaluation else ""
         return (f"size: {work or 'nothing to do'}; expected on this machine ({self.devices.describe()}): "
-                f"{duration(self.seconds)} (measured rates, tasks/runtime/sizing.py)")
+                f"{duration(self.seconds)}{evaluation} (measured rates, tasks/runtime/sizing.py)")
 
 
 def size_run(config: VipConfig, stages: tuple[str, ...], *, ingest_rows: int | None,
-             done: set[str] = frozenset(), devices: Devices | None = None) -> RunSize:
+             done: set[str] = frozenset(), devices: Devices | None = None, evaluation: bool = False) -> RunSize:
     """The work of ``stages`` (of ``ingest``, ``render``, ``pretrain-syn``, ``pretrain-dp``; others are not
     counted) for ``config``, those in ``done`` finished already; ``ingest_rows``: the url list's rows, None when
-    unknown."""
+    unknown; ``evaluation``: the run evaluates afterwards (the line says it is not sized)."""
     devices = devices or Devices.here()
     parts = [Part(stage, "finished", 0.0, done=True) for stage in stages if stage in done]
     stages = tuple(stage for stage in stages if stage not in done)
@@ -109,7 +111,7 @@ def size_run(config: VipConfig, stages: tuple[str, ...], *, ingest_rows: int | N
             parts.append(training_part(stage, config.model, training, private, devices))
     if stages:
         parts.append(Part("start-up", "of processes and servers", MEASURED["start_up"]["run_s"]))
-    return RunSize(tuple(parts), devices)
+    return RunSize(tuple(parts), devices, evaluation)
 
 
 def url_list_rows(url_list: str) -> int | None:

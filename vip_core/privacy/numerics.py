@@ -261,7 +261,8 @@ def squares_bound(squares: torch.Tensor, terms: int) -> torch.Tensor:
     rounding (2^-24) and the float64 sum's (``γ_terms`` at 2^-53) up to :data:`MAX_SQUARED_TERMS` terms."""
     if terms > MAX_SQUARED_TERMS:
         raise ValueError(f"a squared norm summed from {terms:,} entries per sample is beyond the rounding bound's "
-                         f"reach of {MAX_SQUARED_TERMS:,}: the model has too many materialised parameters (biases, norms, tokens)")
+                         f"reach of {MAX_SQUARED_TERMS:,}: the model has too many materialised parameters (biases, "
+                         "norms, tokens)")
     return squares * (1 + 2.0**-22) + terms * SMALLEST_NORMAL
 
 

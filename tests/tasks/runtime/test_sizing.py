@@ -33,6 +33,9 @@ def test_a_demo_run_is_sized_with_its_start_up_not_its_steps_alone():
     sized): the estimate counts the start-up and each training stage's workers, not only their few steps."""
     tiny = size_run(get_preset("tiny"), PIPELINE, ingest_rows=320, devices=CPU_HERE)
     assert "start-up" in tiny.line() and 0.67 * 102 <= tiny.seconds <= 1.5 * 102
+    assert "evaluation" not in tiny.line()
+    evaluated = size_run(get_preset("tiny"), PIPELINE, ingest_rows=320, devices=CPU_HERE, evaluation=True)
+    assert ", then evaluation (not sized)" in evaluated.line() and evaluated.seconds == tiny.seconds
 
 
 def test_the_paper_dp_stage_on_one_h200_takes_what_the_benchmark_measured():
