@@ -68,6 +68,11 @@ FULL ?=
 reproduce: setup
 	$(PY) -m flows.app.reproduce --experiment $(if $(FULL),full,default)
 
+# `make gpu-check`: on a machine with an NVIDIA GPU, the gpu tests and the DP step's figures in one table (vip bench
+# gpu-check, about 8 minutes of an H100 or H200; docs/performance.md).
+gpu-check: setup
+	$(PY) -m tasks.cli bench gpu-check
+
 # `make ui`: the Prefect UI on 127.0.0.1:4200 and the MLflow UI on 127.0.0.1:5000, on the stores in $(VIP_HOME).
 ui: setup
 	$(PY) -m flows.app.servers ui
@@ -77,7 +82,7 @@ ui: setup
 serve: setup
 	$(PY) -m flows.app.serve $(CONFIG_OPTIONS)
 
-.PHONY: $(STAGES) ui serve reproduce
+.PHONY: $(STAGES) ui serve reproduce gpu-check
 
 # Debian packages of the browser and PostgreSQL tests (their set-up runs this target when one is missing).
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)

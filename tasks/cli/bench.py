@@ -18,6 +18,7 @@ def register(subparsers: Any) -> None:
     _register_ingest(benchmarks)
     _register_train(benchmarks)
     _register_eval(benchmarks)
+    _register_gpu_check(benchmarks)
 
 
 def _register_dp_step(benchmarks: Any) -> None:
@@ -45,6 +46,30 @@ def _register_dp_step(benchmarks: Any) -> None:
     add_precision(parser)
     add_device(parser)
     parser.add_argument("--seed", type=int, default=0)
+
+
+def _register_gpu_check(benchmarks: Any) -> None:
+    parser = add_command(
+        benchmarks, "gpu-check", handle_gpu_check,
+        help="on a GPU machine: the gpu tests, then the DP step against the non-private one and opacus, one table",
+        description="Runs `pytest -m gpu` on the privacy and benchmark tests, then `vip bench dp-step` of the preset's "
+        "MAE under bf16 at each batch size (the strict IEEE float32 mode, and opacus's ghost clipping and per-sample "
+        "hooks at --opacus-batches, in the same runs), and prints one table against the targets: DP <= x1.3 the "
+        "non-private step, memory <= x1.2, ahead of opacus ghost. About 8 minutes of an H100 or H200.",
+    )
+    add_json(parser)
+    add_model_preset(parser, default="vip-base")
+    parser.add_argument("--img-size", type=count(1), default=224, help="image side in pixels (default: 224)")
+    parser.add_argument("--batches", type=count(1), nargs="+", default=[256, 512],
+                        help="physical batch sizes, one row each (default: 256 512)")
+    parser.add_argument("--opacus-batches", type=count(1), nargs="*", default=[256],
+                        help="the batch sizes at which opacus runs too (default: 256; its per-sample hooks hold "
+                        "every sample's gradient)")
+    parser.add_argument("--repeats", type=count(1), default=5, help="timed rounds of every mode (default: 5)")
+    parser.add_argument("--warmup", type=count(0), default=2, help="untimed rounds first (default: 2)")
+    parser.add_argument("--no-tests", action="store_true", help="skip `pytest -m gpu`")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda",
+                        help="where the steps run (default: cuda; cpu for a small dry run of the table)")
 
 
 def add_model_preset(parser: argparse.ArgumentParser, default: str = "tiny") -> None:
@@ -191,6 +216,15 @@ def handle_dp_step(args: argparse.Namespace) -> int:
                            precision=args.precision, microbatches=args.microbatches, device=args.device,
                            secure=not args.no_secure, strict=args.strict_float32, width=args.width)
     return _report(args, result, [f"{key:>28}: {value}" for key, value in result.items()])
+
+
+def handle_gpu_check(args: argparse.Namespace) -> int:
+    from tasks.benchmarks.gpu_check import gpu_check, table
+
+    check = gpu_check(device=args.device, preset=args.preset, img_size=args.img_size, batches=tuple(args.batches),
+                      opacus_batches=tuple(args.opacus_batches), repeats=args.repeats, warmup=args.warmup,
+                      tests=not args.no_tests)
+    return _report(args, check, table(check))
 
 
 def handle_render(args: argparse.Namespace) -> int:
