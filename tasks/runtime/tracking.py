@@ -119,7 +119,8 @@ def _note_opened(run_id: str) -> None:
     :func:`~tasks.runtime.stopping.run_supervised`), which ends the runs a stopped command left open."""
     notes = os.environ.get(OPENED_RUNS_ENV)
     if notes:
-        with open(notes, "a", encoding="utf-8") as file:
+        # on another node of a cluster the supervisor's folder is absent: that run is simply not noted
+        with contextlib.suppress(OSError), open(notes, "a", encoding="utf-8") as file:
             file.write(f"{run_id}\n")
 
 

@@ -68,3 +68,19 @@ def test_a_command_that_dies_leaves_its_open_runs_failed(tmp_path):
     assert process.wait(timeout=120) == 3, log.read_text()
     ended, left = _run_ids(log, process)
     assert (_status(ended), _status(left)) == ("FINISHED", "FAILED")
+
+
+def test_runs_are_noted_for_the_supervisor_and_a_process_without_its_folder_still_opens_them(tmp_path, monkeypatch):
+    """A process of the command notes each run it opens; one on another node, where the supervisor's folder does not
+    exist, opens its run all the same (it is not noted)."""
+    from tasks.runtime.stopping import OPENED_RUNS_ENV
+
+    notes = tmp_path / "mlflow-runs"
+    monkeypatch.setenv(OPENED_RUNS_ENV, str(notes))
+    noted = tracking.start_run("noted")
+    monkeypatch.setenv(OPENED_RUNS_ENV, str(tmp_path / "absent" / "mlflow-runs"))
+    elsewhere = tracking.start_run("on another node")
+    assert notes.read_text().split() == [noted]
+    assert _status(elsewhere) == "RUNNING"
+    for run_id in (noted, elsewhere):
+        tracking.end_run(run_id)
