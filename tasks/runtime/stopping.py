@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -31,6 +32,7 @@ OPENED_RUNS_ENV = "VIP_OPENED_RUNS"  # the file where the child's processes note
 INTERRUPTED = 130  # a shell's exit status for a command stopped by SIGINT
 WAIT_S = 5.0
 KILL_ROUNDS = 5
+ENDING_RUNS_S = 15.0  # the longest a stop waits for the MLflow store to mark the command's open runs
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _PR_SET_CHILD_SUBREAPER = 36
 
@@ -114,13 +116,22 @@ def _live_descendants() -> list[psutil.Process]:
 
 
 def _end_opened_runs(opened: Path, status: str) -> None:
-    """Ends with ``status`` the MLflow runs noted in ``opened`` that the child's processes left RUNNING."""
+    """Ends with ``status`` the MLflow runs noted in ``opened`` that the child's processes left RUNNING, waiting at
+    most :data:`ENDING_RUNS_S`: a store out of reach (a tracking server retries for minutes) leaves them RUNNING,
+    and the command still stops within seconds."""
     if not opened.is_file():
         return
-    from tasks.runtime import tracking
+    run_ids = opened.read_text().split()
 
-    with contextlib.suppress(Exception):  # a store out of reach leaves them RUNNING: the command still stops
-        tracking.end_open_runs(opened.read_text().split(), status)
+    def end() -> None:
+        from tasks.runtime import tracking
+
+        with contextlib.suppress(Exception):
+            tracking.end_open_runs(run_ids, status)
+
+    ending = threading.Thread(target=end, daemon=True)
+    ending.start()
+    ending.join(ENDING_RUNS_S)
 
 
 def kept_work(folder: str | Path) -> str:

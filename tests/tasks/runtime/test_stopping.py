@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -19,6 +20,8 @@ ROOT = Path(__file__).resolve().parents[3]
 # The supervised child: opens a run it ends, then one it leaves open, prints their ids, then waits or dies.
 CHILD = textwrap.dedent("""
     import os, sys, time
+    if len(sys.argv) > 2:
+        os.environ["MLFLOW_TRACKING_URI"] = sys.argv[2]  # the supervisor's store is out of reach: this one is not
     from tasks.runtime import tracking
     ended = tracking.start_run("ended by the command")
     tracking.end_run(ended)
@@ -30,15 +33,20 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def _supervised(tmp_path: Path, how: str) -> tuple[subprocess.Popen, Path]:
+def _supervised(tmp_path: Path, how: str, supervisor_store: str | None = None) -> tuple[subprocess.Popen, Path]:
+    """The child under ``run_supervised``; ``supervisor_store``: the supervisor's MLflow URI, where not the child's."""
     tracking.experiment_id()  # the store made here first: two processes making one sqlite store would collide
     log = tmp_path / f"{how}.log"
+    child = [CHILD, how] + ([os.environ["MLFLOW_TRACKING_URI"]] if supervisor_store else [])
     program = ("import sys\nfrom tasks.runtime.stopping import run_supervised\n"
-               f"sys.exit(run_supervised([sys.executable, '-c', {CHILD!r}, {how!r}], stopped=lambda: 'stopped'))")
+               f"sys.exit(run_supervised([sys.executable, '-c', *{child!r}], stopped=lambda: 'stopped'))")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if supervisor_store:
+        env["MLFLOW_TRACKING_URI"] = supervisor_store
     with open(log, "wb") as output:
         process = subprocess.Popen([sys.executable, "-c", program], cwd=ROOT, stdout=output,
                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+                                   env=env)
     return process, log
 
 
@@ -84,3 +92,21 @@ def test_runs_are_noted_for_the_supervisor_and_a_process_without_its_folder_stil
     assert _status(elsewhere) == "RUNNING"
     for run_id in (noted, elsewhere):
         tracking.end_run(run_id)
+
+
+def test_a_store_out_of_reach_leaves_the_runs_open_and_the_command_still_stops_within_seconds(tmp_path):
+    """The supervisor's tracking server does not answer (a closed port on 127.0.0.1, which MLflow's client retries for
+    minutes): the stop waits for it at most ENDING_RUNS_S."""
+    from tasks.runtime.stopping import ENDING_RUNS_S
+
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    process, log = _supervised(tmp_path, "wait", supervisor_store=f"http://127.0.0.1:{port}")
+    _, left = _run_ids(log, process)
+    started = time.monotonic()
+    os.killpg(process.pid, signal.SIGINT)
+    assert process.wait(timeout=120) == 130, log.read_text()
+    assert time.monotonic() - started < ENDING_RUNS_S + 15
+    assert _status(left) == "RUNNING"
+    tracking.end_run(left)
