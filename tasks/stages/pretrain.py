@@ -206,7 +206,8 @@ def stage_plan(config: VipConfig, stage: str, data: "ShardSet", output: Path, co
         if changed:
             raise ValueError(f"{output}: resume refused: the run was planned with {changed}={stored[changed]!r}, "
                              f"the configuration now gives {plan[changed]!r}; choose a new output")
-    plan["train_pos_embed"] = trains_pos_embed
+    if stored is None or "train_pos_embed" in stored:  # a plan from before the field keeps it unrecorded, unchecked
+        plan["train_pos_embed"] = trains_pos_embed
     output.mkdir(parents=True, exist_ok=True)
     write_json(output / PLAN_FILE, plan)
     return plan
