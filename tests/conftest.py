@@ -3,8 +3,10 @@ its privacy ledgers in a folder of its own; moto's S3 server for the tests of da
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -14,6 +16,8 @@ from pathlib import Path
 from typing import Iterator
 
 os.environ["VIP_HOME"] = tempfile.mkdtemp(prefix="vip-test-home-")
+# Each session's home holds servers' databases and stores (up to tens of MB); left behind, they fill the disk.
+atexit.register(shutil.rmtree, os.environ["VIP_HOME"], ignore_errors=True)
 
 from tasks.runtime.environment import configure_environment  # noqa: E402
 
