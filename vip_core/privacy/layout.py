@@ -106,8 +106,8 @@ class LayoutCheck:
                 if not self.inputs_checked and self.input_tries >= _INPUT_TRIES:
                     logger.warning("the per-sample layout check left this model's inputs unchecked: on %d microbatches "
                                    "the first or the last sample's loss was not finite, or reached its own inputs only "
-                                   "through a flat operation (floor, round) or not at all (docs/privacy.md, rule 5)",
-                                   self.input_tries)
+                                   "where the gradient is 0 (floor, round, a ReLU or clamp on its flat part) or not "
+                                   "at all (docs/privacy.md, rule 5)", self.input_tries)
                     self.inputs_checked = True
 
     def check_uses(self, losses: torch.Tensor, uses: dict[nn.Parameter, tuple[str, Any]]) -> None:
