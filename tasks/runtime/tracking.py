@@ -28,11 +28,13 @@ import contextlib
 import json
 import math
 import os
+import queue
+import threading
 import time
 import importlib.metadata
 from numbers import Real
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from mlflow import MlflowClient, get_tracking_uri
 from mlflow.entities import Metric, Param, RunTag
@@ -49,6 +51,8 @@ PARENT_TAG = "mlflow.parentRunId"
 STAGE_TAG = "vip.stage"
 PARAMS_PER_BATCH = 100
 METRICS_PER_BATCH = 1000
+# Steps a StepLogger may fall behind before a step waits for it (a bound on its queue, not a delay).
+_PENDING_STEPS = 100_000
 # The UI shows a model-training experiment (runs, metric charts) rather than a GenAI one (traces).
 EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}
 DEFAULT_UI_URL = "http://127.0.0.1:5000"
@@ -204,9 +208,9 @@ def log_config(run_id: str, config: VipConfig) -> None:
     mlflow_client.log_dict(run_id, config.model_dump(mode="json"), "config.json")
 
 
-def log_metrics(run_id: str, metrics: Mapping[str, float], step: int = 0) -> None:
-    """Logs finite numeric metrics at ``step`` in one batch."""
-    timestamp = _now_ms()
+def log_metrics(run_id: str, metrics: Mapping[str, float], step: int = 0, timestamp_ms: int | None = None) -> None:
+    """Logs finite numeric metrics at ``step`` in one batch (stamped now unless ``timestamp_ms`` is given)."""
+    timestamp = _now_ms() if timestamp_ms is None else timestamp_ms
     entries = [
         Metric(key, float(value), timestamp, step)
         for key, value in metrics.items()
@@ -214,6 +218,63 @@ def log_metrics(run_id: str, metrics: Mapping[str, float], step: int = 0) -> Non
     ]
     if entries:
         client().log_batch(run_id, metrics=entries)
+
+
+class StepLogger:
+    """Logs each step's metrics into an MLflow run from a thread of its own, so that the step waits neither for the
+    tracking server nor for a metric that is slow to compute (an accountant's ε: up to seconds a step early in a
+    run with a small sampling rate). Every step is logged, with the values and the time it would have had; a
+    logging failure is raised by the next :meth:`log` or by :meth:`close`.
+
+    Args:
+        run_id: the MLflow run.
+        names: the metric name each logged key takes (other keys are not logged).
+    """
+
+    def __init__(self, run_id: str, names: Mapping[str, str]) -> None:
+        self.run_id, self.names = run_id, dict(names)
+        self.pending: queue.Queue = queue.Queue(maxsize=_PENDING_STEPS)
+        self.failure: BaseException | None = None
+        self.thread = threading.Thread(target=self._drain, name="vip-step-metrics", daemon=True)
+        self.thread.start()
+
+    def log(self, step: int, metrics: Mapping[str, Any], computed: Mapping[str, Callable[[], Any]] = {}) -> None:
+        """Logs ``metrics`` and, once computed on the logging thread, ``computed``'s values at ``step``."""
+        self._raise_failure()
+        self.pending.put((step, dict(metrics), dict(computed), _now_ms()))
+
+    def flush(self) -> None:
+        """Returns once every step given so far is logged."""
+        self.pending.join()
+        self._raise_failure()
+
+    def close(self) -> None:
+        """Returns once every step given is logged, and stops the thread."""
+        self.pending.put(None)
+        self.thread.join()
+        self._raise_failure()
+
+    def _drain(self) -> None:
+        while (item := self.pending.get()) is not None:
+            try:
+                if self.failure is None:  # after a failure it only takes items, so that no caller waits on it
+                    self._log(*item)
+            finally:
+                self.pending.task_done()
+        self.pending.task_done()
+
+    def _log(self, step: int, metrics: dict[str, Any], computed: dict[str, Callable[[], Any]], timestamp: int) -> None:
+        try:
+            values = {**metrics, **{key: compute() for key, compute in computed.items()}}
+            log_metrics(self.run_id, {self.names[k]: v for k, v in values.items() if k in self.names}, step,
+                        timestamp)
+        except BaseException as error:  # raised on the training thread, where it stops the run
+            self.failure = error
+
+    def _raise_failure(self) -> None:
+        if self.failure is not None:
+            raise RuntimeError(f"logging the step metrics to MLflow run {self.run_id} failed: "
+                               f"{self.failure}") from self.failure
 
 
 def numeric_leaves(result: Mapping[str, Any], namespace: str) -> dict[str, float]:

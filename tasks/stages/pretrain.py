@@ -474,12 +474,22 @@ class WorkerRun:
 
     def metrics(self, report: StepReport | None, rank: int) -> dict[str, float]:
         """The metrics of the step just taken: step, lr, ε (private, rank 0) and, where allowed, loss and images/s."""
-        metrics: dict[str, float] = {"step": self.step.taken, "lr": self.step.optimizer.param_groups[0]["lr"]}
+        metrics = self.step_metrics(report)
         if rank == 0 and self.step.epsilon is not None:
             metrics["epsilon"] = self.step.epsilon
+        return metrics
+
+    def step_metrics(self, report: StepReport | None) -> dict[str, float]:
+        """:meth:`metrics` without ε."""
+        metrics: dict[str, float] = {"step": self.step.taken, "lr": self.step.optimizer.param_groups[0]["lr"]}
         if report is not None and self.logs_private_statistics:
             metrics.update(loss=report.loss, images_per_s=report.examples / report.seconds)
         return metrics
+
+
+# The MLflow name of each per-step metric rank 0 logs.
+METRIC_NAMES = {"loss": "train/loss", "lr": "train/lr", "images_per_s": "train/images_per_s",
+                "epsilon": "privacy/epsilon"}
 
 
 def train_worker(loop_config: dict[str, Any]) -> None:
@@ -499,7 +509,9 @@ def train_worker(loop_config: dict[str, Any]) -> None:
         restore_worker_run(run, str(stored), rank, world)
     else:
         broadcast_parameters(run.model)
-    log_metrics = _metric_logger(loop_config["mlflow_run_id"]) if rank == 0 else None
+    from tasks.runtime.tracking import StepLogger
+
+    step_logger = StepLogger(loop_config["mlflow_run_id"], METRIC_NAMES) if rank == 0 else None
     last: list[StepReport] = []
 
     def on_step(report: StepReport) -> None:
@@ -507,17 +519,23 @@ def train_worker(loop_config: dict[str, Any]) -> None:
         run.images += report.examples
         run.seconds += report.seconds
         run.average_weights()
-        if log_metrics is not None:
-            log_metrics(run.metrics(report, rank), report.step)
+        if step_logger is not None:
+            step_logger.log(report.step, run.step_metrics(report), {"epsilon": report.epsilon_of})
         _maybe_kill(loop_config["fault"], rank, report.step)
+
+    def on_checkpoint() -> None:
+        if step_logger is not None:
+            step_logger.flush()  # a run resumed from this checkpoint logs only the steps after it
+        report_checkpoint(run, last[0] if last else None, rank, world)
 
     training = run.training
     try:
-        run_steps(run.step, run.batch, run.loss, until=training.steps, on_step=on_step,
-                  on_checkpoint=lambda: report_checkpoint(run, last[0] if last else None, rank, world),
+        run_steps(run.step, run.batch, run.loss, until=training.steps, on_step=on_step, on_checkpoint=on_checkpoint,
                   checkpoint_every=training.checkpoint_every)
     finally:
         run.pipeline.close()
+        if step_logger is not None:
+            step_logger.close()
 
 
 def latest_stored_checkpoint(root: Path) -> Path | None:
@@ -637,18 +655,6 @@ def report_checkpoint(run: WorkerRun, report: StepReport | None, rank: int, worl
             ema=None if run.ema is None else run.ema.state_dict(),
         )
         ray.train.report(summary, checkpoint=ray.train.Checkpoint.from_directory(folder))
-
-
-def _metric_logger(run_id: str):
-    """Rank 0's per-step MLflow logging into the stage's run."""
-    from tasks.runtime import tracking
-
-    names = {"loss": "train/loss", "lr": "train/lr", "images_per_s": "train/images_per_s", "epsilon": "privacy/epsilon"}
-
-    def log_step(metrics: dict[str, float], step: int) -> None:
-        tracking.log_metrics(run_id, {names[k]: v for k, v in metrics.items() if k in names}, step=step)
-
-    return log_step
 
 
 def _maybe_kill(fault: dict[str, Any] | None, rank: int, step: int) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 import time
 from typing import Any, Callable
 
@@ -55,14 +56,20 @@ Observer = Callable[[nn.Module], None]
 @dataclasses.dataclass(frozen=True)
 class StepReport:
     """One step's metrics. ``loss`` and ``examples`` are computed from the (private) data and are not
-    privatized: monitoring only (docs/privacy.md lists where they go)."""
+    privatized: monitoring only (docs/privacy.md lists where they go). ``epsilon_of`` computes :attr:`epsilon`
+    when asked, on any thread: a PLD accountant takes up to seconds a call, which the step does not wait for."""
 
     step: int
     lr: float
-    epsilon: float | None
     loss: float
     examples: int
     seconds: float
+    epsilon_of: Callable[[], float | None] = dataclasses.field(default=lambda: None, repr=False, compare=False)
+
+    @property
+    def epsilon(self) -> float | None:
+        """ε after this step (rank 0 of a private step; None elsewhere)."""
+        return self.epsilon_of()
 
 
 class Streams:
@@ -148,16 +155,17 @@ class TrainingStep(abc.ABC):
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.taken += 1
-        epsilon = self._account()
-        return StepReport(step=self.taken, lr=lr, epsilon=epsilon, loss=loss_sum / max(examples, 1.0),
-                          examples=int(examples), seconds=time.perf_counter() - started)
+        epsilon_of = self._account()
+        return StepReport(step=self.taken, lr=lr, loss=loss_sum / max(examples, 1.0), examples=int(examples),
+                          seconds=time.perf_counter() - started, epsilon_of=epsilon_of)
 
     @abc.abstractmethod
     def _gradients(self, inputs: Inputs, loss_fn: LossFn) -> tuple[float, float]:
         """Sets ``.grad`` of every trainable parameter; returns the (all-reduced) loss sum and example count."""
 
-    def _account(self) -> float | None:
-        return None
+    def _account(self) -> Callable[[], float | None]:
+        """Counts the step; returns what computes ε after it."""
+        return lambda: None
 
     def state_dict(self) -> dict[str, Any]:
         """What every rank shares: the step count and the optimiser state."""
@@ -219,10 +227,10 @@ class PrivateStep(TrainingStep):
         stats = clipped.privatize(expected_batch_size=self.plan.batch_size, all_reduce=all_reduce_in_place)
         return all_reduce_sum(stats.loss_sum), all_reduce_sum(stats.examples)
 
-    def _account(self) -> float | None:
+    def _account(self) -> Callable[[], float | None]:
         """Counts the step; ε after it on rank 0 (the other ranks need only :meth:`can_step`)."""
         self.ledger.record_step()
-        return self.ledger.epsilon if self.rank == 0 else None
+        return functools.partial(self.ledger.epsilon_after, self.ledger.steps) if self.rank == 0 else lambda: None
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "ledger": self.ledger.state_dict(), "plan": self.plan.to_dict()}

@@ -152,3 +152,33 @@ def test_register_encoder_names_a_missing_checkpoint(tmp_path):
     run_id = tracking.start_run("vip-pipeline/missing")
     with pytest.raises(FileNotFoundError, match="checkpoint: no such file"):
         tracking.register_encoder(run_id, tmp_path / "nothing")
+
+
+def test_the_step_logger_logs_every_step_without_the_step_waiting_for_a_slow_metric():
+    import threading
+
+    run_id = tracking.start_run("vip-pipeline/step-logger", config=tiny())
+    released = threading.Event()
+    logger = tracking.StepLogger(run_id, {"lr": "train/lr", "epsilon": "privacy/epsilon"})
+    for step in (1, 2, 3):
+        # the first ε cannot be computed until the steps are all given: a logger that computed it on the
+        # caller's thread would never return from the first log
+        wait = (lambda: released.wait(60) and 0.5) if step == 1 else (lambda step=step: step / 2)
+        logger.log(step, {"lr": 0.1 * step, "not_named": 9.0}, {"epsilon": wait})
+    released.set()
+    logger.close()
+    client = tracking.client()
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "privacy/epsilon")] == [
+        (1, 0.5), (2, 1.0), (3, 1.5)]
+    assert [m.step for m in client.get_metric_history(run_id, "train/lr")] == [1, 2, 3]
+    assert set(client.get_run(run_id).data.metrics) == {"train/lr", "privacy/epsilon"}
+    tracking.end_run(run_id)
+
+
+def test_a_step_logger_that_failed_says_so_on_the_next_step():
+    logger = tracking.StepLogger("no-such-run", {"lr": "train/lr"})
+    logger.log(1, {"lr": 0.1})
+    with pytest.raises(RuntimeError, match="logging the step metrics to MLflow run no-such-run failed"):
+        logger.flush()
+    with pytest.raises(RuntimeError, match="no-such-run"):
+        logger.close()
