@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
@@ -422,32 +423,36 @@ class _Capture(torch.autograd.Function):
     output; ``anchor`` makes autograd traverse every capture; ``ctx.layer`` lets the use check count the calls."""
 
     @staticmethod
-    def forward(ctx: Any, output: torch.Tensor, anchor: torch.Tensor, record: Record, call: int) -> torch.Tensor:
-        ctx.record, ctx.call, ctx.layer = record, call, record.layer.module
+    def forward(ctx: Any, output: torch.Tensor, anchor: torch.Tensor, tape: "_Tape", record: Record,
+                call: int) -> torch.Tensor:
+        ctx.tape, ctx.record, ctx.call, ctx.layer = tape, record, call, record.layer.module
         ctx.version = record.inputs[call]._version
         ctx.mark_dirty(output)
         return output
 
     @staticmethod
-    def backward(ctx: Any, output_grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+    def backward(ctx: Any, output_grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
         record = ctx.record
         if record.inputs[ctx.call]._version != ctx.version:
             raise RuntimeError(f"the input of layer '{record.layer.name}' was modified in place after the layer ran; "
                                "per-sample gradients need it unchanged")
         record.grads[ctx.call] = output_grad
-        return output_grad, None, None, None
+        if ctx.tape.early is not None:
+            ctx.tape.early.arrived(record)
+        return output_grad, None, None, None, None
 
 
 class _Tape:
     """Hooks on the supported layers for one microbatch: under autocast a Linear's or Conv2d's float32 input is cast
     to the autocast dtype first (as autocast would: the layer's own operand, kept instead of a float32 copy), and each
-    call's input is kept and its output captured."""
+    call's input is kept and its output captured; ``early``, where set, hears of each output gradient."""
 
     def __init__(self, layers: list[Layer], batch: int) -> None:
         self.batch = batch
         self.anchor = torch.zeros((), requires_grad=True)
         self.records = {layer.module: Record(layer) for layer in layers}
         self.handles: list[Any] = []
+        self.early: _EarlyGroups | None = None
 
     def __enter__(self) -> "_Tape":
         for module, record in self.records.items():
@@ -490,19 +495,68 @@ class _Tape:
                 "on dim 0")
         record.inputs.append(layer_input)
         record.grads.append(None)
-        return _capture(output, self.anchor, record, len(record.inputs) - 1)
+        return _capture(output, self, record, len(record.inputs) - 1)
 
 
-def _capture(output: torch.Tensor, anchor: torch.Tensor, record: Record, call: int) -> torch.Tensor:
+def _capture(output: torch.Tensor, tape: _Tape, record: Record, call: int) -> torch.Tensor:
     """Routes the gradient of ``output`` to ``record``. A view (a Linear on [B, T, d] returns one of its [B·T, d]
     result) is captured through its base, so the capture node stays visible in the graph."""
     base = output._base
     if base is None:
-        return _Capture.apply(output, anchor, record, call)
+        return _Capture.apply(output, tape.anchor, tape, record, call)
     if output.is_contiguous() and base.is_contiguous() and base.numel() == output.numel() and (
             output.storage_offset() == base.storage_offset()):
-        return _Capture.apply(base, anchor, record, call).view(output.shape)
-    return _Capture.apply(output.clone(), anchor, record, call)
+        return _Capture.apply(base, tape.anchor, tape, record, call).view(output.shape)
+    return _Capture.apply(output.clone(), tape.anchor, tape, record, call)
+
+
+class _EarlyGroups:
+    """On a CPU whose torch threads leave as many cores idle as they use and whose float32 matmuls are IEEE, the
+    layers of one shape are handed to a helper thread as soon as the backward has delivered their last output
+    gradient, so that their norms run beside the rest of the backward (a ViT's decoder blocks beside its encoder's).
+    Which layers go together is a guess from the forward's shapes; the helper groups them by their actual keys, as
+    the step's own thread would. Clusters too small to be worth a helper stay with the step's thread."""
+
+    def __init__(self, engine: "DPEngine", records: list[Record], batch: int) -> None:
+        self.engine, self.batch = engine, batch
+        self.cluster = {record: _early_key(record) for record in records if record.inputs}
+        self.members: dict[tuple, list[Record]] = {}
+        for record, key in self.cluster.items():
+            self.members.setdefault(key, []).append(record)
+        self.waiting = {key: sum(len(r.inputs) for r in members) for key, members in self.members.items()}
+        self.handed: list[tuple[list[Record], Future]] = []
+
+    def arrived(self, record: Record) -> None:
+        """One output gradient of ``record`` has arrived; hands its cluster over once all of them have."""
+        key = self.cluster[record]
+        self.waiting[key] -= 1
+        members = self.members[key]
+        if self.waiting[key] or sum(x.numel() + g.numel() for r in members
+                                    for x, g in zip(r.inputs, r.grads) if g is not None) < SPREAD_MIN_ELEMENTS:
+            return
+        task = functools.partial(_computed, self.engine, members, self.batch, members[0].inputs[0].device)
+        self.handed.append((members, noise_pool(idle_cores()).submit(_in_ieee_float32, task)))
+
+    def taken(self) -> set[Record]:
+        """The records handed over (the step's own thread leaves them alone)."""
+        return {record for members, _ in self.handed for record in members}
+
+    def results(self) -> list[tuple[Norms, list[tuple[int, per_sample.Sum]]]]:
+        """Each handed cluster's norms and sums, in the order they were handed over (waits for them)."""
+        return [future.result() for _, future in self.handed]
+
+
+def _early_key(record: Record) -> tuple:
+    """Records with equal keys are handed over together: the layer's kind and parameter shapes, each call's input
+    shape and dtype."""
+    calls = tuple((tuple(x.shape), x.dtype) for x in record.inputs)
+    return (record.layer.kind, calls, *per_sample.layer_shapes(record.layer))
+
+
+def _helpers_have_cores(device: torch.device) -> bool:
+    """Whether the step runs on a CPU whose torch threads leave as many cores idle as they use (helper threads on
+    them would not slow the step's own matmuls)."""
+    return device.type == "cpu" and idle_cores() >= torch.get_num_threads()
 
 
 def _autocast_dtype(device: torch.device) -> torch.dtype | None:
@@ -531,6 +585,10 @@ def _add_microbatch(engine: DPEngine, loss_fn: LossFn, inputs: Inputs, real: int
     realness = engine.real_rows(batch, real, device)
     plain_grads: tuple = (None,) * len(swapped)
     if losses.requires_grad:
+        # the helper's IEEE float32 settings are the process's: only where they are so already may it run beside
+        # the backward, whose precision is the user's
+        if _helpers_have_cores(device) and numerics.cpu_float32_is_ieee():
+            tape.early = _EarlyGroups(engine, list(tape.records.values()), batch)
         with record_function("vip.backward"):
             weighted = losses.sum() if real == batch else torch.where(realness, losses, 0.0).sum()
             wanted = [tape.anchor, *swapped.values()]
@@ -539,7 +597,7 @@ def _add_microbatch(engine: DPEngine, loss_fn: LossFn, inputs: Inputs, real: int
     with numerics.ieee_float32():
         norms = Norms(batch, device)
         with record_function("vip.norms"):
-            sums = _group_norms(engine, tape.records.values(), zip(plan.plain, plain_grads), norms)
+            sums = _group_norms(engine, tape, zip(plan.plain, plain_grads), norms)
             factors, non_finite = numerics.clip_factors(norms.values, engine.max_grad_norm, realness)
             # clearing non-finite entries is a pass over every operand: a CPU reads the flag for free, a GPU would
             # wait for it, so it always clears
@@ -557,9 +615,42 @@ def _add_microbatch(engine: DPEngine, loss_fn: LossFn, inputs: Inputs, real: int
     total.totals.add(real, losses, factors, realness, norms.values[0], engine.max_grad_norm)
 
 
-def _group_norms(engine: DPEngine, records: Any, plain: Any, norms: Norms) -> list[tuple[int, per_sample.Sum]]:
+def _group_norms(engine: DPEngine, tape: _Tape, plain: Any, norms: Norms) -> list[tuple[int, per_sample.Sum]]:
     """Every layer's and plain parameter's norms added to ``norms``, layers of one shape together; their sums, each
     with the number of elements its group computes with."""
+    taken = tape.early.taken() if tape.early is not None else set()
+    records = [record for record in tape.records.values() if record not in taken]
+    work, sums = _layer_tasks(engine, records, norms)
+    plain = [(param, grads) for (_, param), grads in plain if grads is not None]
+    work += [(grads.numel(), functools.partial(_plain, param, grads, engine.buffer.add_rows)) for param, grads in plain]
+    weights = [weight for weight, _ in work]
+    computed = _spread([task for _, task in work], weights, norms.values.device)
+    results = tape.early.results() if tape.early is not None else []
+    results += [(group_norms, [(weight, add) for add in group_sums])
+                for (group_norms, group_sums), weight in zip(computed, weights)]
+    for group_norms, group_sums in results:
+        norms.merge(group_norms)
+        sums += group_sums
+    norms.fold_squares()
+    return sums
+
+
+def _computed(engine: DPEngine, records: list[Record], batch: int,
+              device: torch.device) -> tuple[Norms, list[tuple[int, per_sample.Sum]]]:
+    """The norms (an accumulator of their own) and sums of ``records``' layers, all on this thread."""
+    norms = Norms(batch, device)
+    work, sums = _layer_tasks(engine, records, norms)
+    for weight, task in work:
+        group_norms, group_sums = task()
+        norms.merge(group_norms)
+        sums += [(weight, add) for add in group_sums]
+    return norms, sums
+
+
+def _layer_tasks(engine: DPEngine, records: list[Record],
+                 norms: Norms) -> tuple[list[tuple[int, Callable[[], Any]]], list[tuple[int, per_sample.Sum]]]:
+    """``records``' layers grouped by shape: each group's task with the number of elements it computes with, and
+    the embeddings' sums (their norms added to ``norms`` at once)."""
     add_rows = engine.buffer.add_rows
     groups: dict[tuple, tuple[list[Layer], list[torch.Tensor], list[torch.Tensor]]] = {}
     sums: list[tuple[int, per_sample.Sum]] = []
@@ -586,16 +677,10 @@ def _group_norms(engine: DPEngine, records: Any, plain: Any, norms: Norms) -> li
         members = groups.setdefault(key, ([], [], []))
         for target, value in zip(members, (layer, first, second)):
             target.append(value)
-    work = [functools.partial(_group, engine, key, *members, add_rows) for key, members in groups.items()]
-    weights = [sum(t.numel() for t in (*firsts, *seconds)) for _, firsts, seconds in groups.values()]
-    plain = [(param, grads) for (_, param), grads in plain if grads is not None]
-    work += [functools.partial(_plain, param, grads, add_rows) for param, grads in plain]
-    weights += [grads.numel() for _, grads in plain]
-    for (group_norms, group_sums), weight in zip(_spread(work, weights, norms.values.device), weights):
-        norms.merge(group_norms)
-        sums += [(weight, add) for add in group_sums]
-    norms.fold_squares()
-    return sums
+    work = [(sum(t.numel() for t in (*firsts, *seconds)),
+             functools.partial(_group, engine, key, layers, firsts, seconds, add_rows))
+            for key, (layers, firsts, seconds) in groups.items()]
+    return work, sums
 
 
 def _group(engine: DPEngine, key: tuple, layers: list[Layer], firsts: list[torch.Tensor],
@@ -616,15 +701,13 @@ def _plain(param: nn.Parameter, grads: torch.Tensor, add_rows: per_sample.AddRow
 
 
 def _spread(work: list[Callable[[], Any]], weights: list[int], device: torch.device) -> list[Any]:
-    """``[task() for task in work]``, in order; where the step runs on a CPU whose torch threads leave as many cores
-    idle as they use, every other task of at least ``SPREAD_MIN_ELEMENTS`` (its weight) on a helper thread (the
-    groups are independent: their sums write other rows of the buffer; a small one costs more to hand over than to
-    compute)."""
-    helpers = idle_cores() if device.type == "cpu" else 0
+    """``[task() for task in work]``, in order; where :func:`_helpers_have_cores`, every other task of at least
+    ``SPREAD_MIN_ELEMENTS`` (its weight) on a helper thread (the groups are independent: their sums write other rows
+    of the buffer; a small one costs more to hand over than to compute)."""
     heavy = [index for index, weight in enumerate(weights) if weight >= SPREAD_MIN_ELEMENTS]
-    if helpers < torch.get_num_threads() or len(heavy) < 2:
+    if not _helpers_have_cores(device) or len(heavy) < 2:
         return [task() for task in work]
-    pool = noise_pool(helpers)
+    pool = noise_pool(idle_cores())
     handed = {index: pool.submit(_in_ieee_float32, work[index]) for index in heavy[1::2]}
     done = {index: task() for index, task in enumerate(work) if index not in handed}
     return [handed[index].result() if index in handed else done[index] for index in range(len(work))]

@@ -293,6 +293,16 @@ def _fp32_backends() -> list[Any]:
             if hasattr(b, "fp32_precision")]
 
 
+def cpu_float32_is_ieee() -> bool:
+    """Whether the CPU's float32 matmuls and convolutions are IEEE already (torch's defaults), so that a thread
+    entering :func:`ieee_float32` changes nothing another thread's CPU operations compute."""
+    inherited = getattr(torch.backends, "fp32_precision", "none") in ("none", "ieee")
+    backends = [b for b in (torch.backends.mkldnn.matmul, torch.backends.mkldnn.conv) if hasattr(b, "fp32_precision")]
+    if not all(b.fp32_precision == "ieee" or (b.fp32_precision == "none" and inherited) for b in backends):
+        return False
+    return torch.get_float32_matmul_precision() == "highest"  # asked last: it raises where the new settings differ
+
+
 @contextlib.contextmanager
 def ieee_float32() -> Iterator[None]:
     """IEEE float32 matmuls and convolutions (no TF32 on CUDA, no bfloat16 in oneDNN) and autocast off, while any

@@ -155,7 +155,7 @@ def patches(inputs: torch.Tensor, kernel_size: tuple[int, int]) -> torch.Tensor:
     return cut.permute(0, 2, 4, 1, 3, 5).reshape(batch, rows * cols, channels * kh * kw)  # [B, T, C*kh*kw]
 
 
-def _shapes(layer: Layer) -> tuple:
+def layer_shapes(layer: Layer) -> tuple:
     """The shapes of a layer's trainable weight and bias (None where absent): layers of one group must have the same,
     since their sums are rows of one region of the gradient buffer."""
     return tuple(None if p is None else tuple(p.shape) for p in (layer.weight, layer.bias))
@@ -163,7 +163,7 @@ def _shapes(layer: Layer) -> tuple:
 
 def matmul_key(layer: Layer, acts: torch.Tensor, grads: torch.Tensor) -> tuple:
     """Layers with equal keys are computed as one group."""
-    return ("matmul", *acts.shape[1:], grads.shape[3], acts.dtype, grads.dtype, acts.device, *_shapes(layer))
+    return ("matmul", *acts.shape[1:], grads.shape[3], acts.dtype, grads.dtype, acts.device, *layer_shapes(layer))
 
 
 def matmul_group(layers: list[Layer], acts: list[torch.Tensor], grads: list[torch.Tensor], numbers: Numerics,
@@ -250,7 +250,7 @@ def _token_norms(rows: torch.Tensor) -> torch.Tensor:
 
 def layer_norm_key(layer: Layer, inputs: torch.Tensor, grads: torch.Tensor) -> tuple:
     module = layer.module
-    return ("layer_norm", *inputs.shape[1:], grads.dtype, inputs.device, module.eps, *_shapes(layer))
+    return ("layer_norm", *inputs.shape[1:], grads.dtype, inputs.device, module.eps, *layer_shapes(layer))
 
 
 def layer_norm_tokens(layer: Layer, inputs: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

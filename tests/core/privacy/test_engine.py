@@ -6,6 +6,7 @@ import collections
 import logging
 import math
 import re
+import threading
 
 import pytest
 import torch
@@ -270,6 +271,48 @@ def test_groups_spread_over_idle_cores_give_bit_identical_gradients(monkeypatch)
     finally:
         torch.set_num_threads(previous)
     assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+@pytest.mark.parametrize("build, loss_fn, inputs", [
+    (tiny_mae, mae_loss, mae_inputs(5)),
+    (MixedNet, lambda m, x: m(x).sum(-1), torch.randn(5, 3, 8, 8)),
+    (TokenNet, lambda m, t: m(t), torch.tensor([[0, 3, 3, 5], [2, 2, 0, 9], [1, 4, 4, 4], [7, 0, 0, 7], [3, 1, 3, 1]])),
+], ids=["mae", "mixed", "embedding"])
+def test_layers_handed_to_an_idle_core_during_the_backward_give_the_exact_clipped_sum(monkeypatch, build, loss_fn,
+                                                                                       inputs):
+    """Where a core is idle, layers whose gradients have all arrived are computed on a helper thread while the
+    backward goes on: the clipped sum is still the one-at-a-time reference's, padding included."""
+    torch.manual_seed(0)
+    model = build()
+    handed = []
+
+    def spied(engine_, records, *rest):
+        handed.append(threading.current_thread() is not threading.main_thread())
+        return computed(engine_, records, *rest)
+
+    computed = engine._computed
+    monkeypatch.setattr(engine, "_computed", spied)
+    monkeypatch.setattr(engine, "idle_cores", lambda: torch.get_num_threads())
+    monkeypatch.setattr(engine, "SPREAD_MIN_ELEMENTS", 0)
+    assert_matches_reference(model, loss_fn, inputs, max_grad_norm=0.05, physical=3)
+    assert handed and all(handed)
+
+
+def test_where_the_users_float32_matmuls_are_not_ieee_no_layer_is_handed_over_during_the_backward(monkeypatch):
+    """The helper's IEEE float32 settings are the process's: set during the backward, they would change the precision
+    of the user's backward, and with it the gradients, from run to run."""
+    handed = []
+    monkeypatch.setattr(engine, "_EarlyGroups", lambda *args: handed.append(args))
+    monkeypatch.setattr(engine, "idle_cores", lambda: torch.get_num_threads())
+    previous = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("medium")
+        engine_grads(tiny_mae(), mae_loss, mae_inputs(3), 0.05)
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    assert handed == []
+    engine_grads(tiny_mae(), mae_loss, mae_inputs(3), 0.05)
+    assert len(handed) == 1  # the same step, under torch's default precision
 
 
 def test_every_parameter_kind_is_scaled_by_the_one_flat_factor():
