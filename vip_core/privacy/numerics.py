@@ -300,18 +300,28 @@ def cpu_float32_is_ieee() -> bool:
     backends = [b for b in (torch.backends.mkldnn.matmul, torch.backends.mkldnn.conv) if hasattr(b, "fp32_precision")]
     if not all(b.fp32_precision == "ieee" or (b.fp32_precision == "none" and inherited) for b in backends):
         return False
-    return torch.get_float32_matmul_precision() == "highest"  # asked last: it raises where the new settings differ
+    return _legacy_precision() == "highest"
+
+
+def _legacy_precision() -> str | None:
+    """torch's legacy float32 matmul precision, or None where the per-backend settings (torch's newer API) give it
+    no single value: torch then refuses to report one."""
+    try:
+        return torch.get_float32_matmul_precision()
+    except RuntimeError:
+        return None
 
 
 @contextlib.contextmanager
 def ieee_float32() -> Iterator[None]:
     """IEEE float32 matmuls and convolutions (no TF32 on CUDA, no bfloat16 in oneDNN) and autocast off, while any
     thread is inside: the settings are the process's, so the first thread in saves them and the last one out
-    restores them (torch's legacy matmul precision kept in agreement, which its TF32 check needs)."""
+    restores them (torch's legacy matmul precision kept in agreement, which its TF32 check needs, and left as it was
+    where the per-backend settings give it no value)."""
     global _ieee_users
     with _PRECISION_LOCK:
         if _ieee_users == 0:
-            _saved[:] = [torch.get_float32_matmul_precision(), [b.fp32_precision for b in _fp32_backends()]]
+            _saved[:] = [_legacy_precision(), [b.fp32_precision for b in _fp32_backends()]]
             torch.set_float32_matmul_precision("highest")
             for backend in _fp32_backends():
                 backend.fp32_precision = "ieee"
@@ -323,6 +333,7 @@ def ieee_float32() -> Iterator[None]:
         with _PRECISION_LOCK:
             _ieee_users -= 1
             if _ieee_users == 0:
-                torch.set_float32_matmul_precision(_saved[0])
+                if _saved[0] is not None:
+                    torch.set_float32_matmul_precision(_saved[0])
                 for backend, saved in zip(_fp32_backends(), _saved[1]):
                     backend.fp32_precision = saved

@@ -631,6 +631,33 @@ def test_ieee_float32_holds_while_any_thread_is_inside_and_then_restores_the_use
             backend.fp32_precision = value
 
 
+def test_with_torchs_per_backend_bfloat16_setting_the_norms_run_in_ieee_float32_and_the_setting_is_kept(monkeypatch):
+    """``torch.backends.mkldnn.matmul.fp32_precision = "bf16"`` (torch's newer API) leaves the legacy precision
+    without a value, which torch refuses to report: the step still runs, its norms in IEEE float32, and the user's
+    setting is theirs again after it."""
+    matmul = torch.backends.mkldnn.matmul
+    before = matmul.fp32_precision
+    seen = []
+
+    def clip_factors(*args, **kwargs):
+        seen.append(matmul.fp32_precision)
+        return factors(*args, **kwargs)
+
+    factors = numerics.clip_factors
+    monkeypatch.setattr(numerics, "clip_factors", clip_factors)
+    try:
+        matmul.fp32_precision = "bf16"
+        torch.manual_seed(0)
+        model, inputs = tiny_vit(), vit_inputs(4)
+        got = engine_grads(model, classification_loss, inputs, 0.05)
+        assert matmul.fp32_precision == "bf16"
+    finally:
+        matmul.fp32_precision = before
+    assert seen == ["ieee"]
+    expected = reference_clipped_sum(model, classification_loss, inputs, 0.05)  # its backward in IEEE float32
+    assert all(torch.allclose(g, e, atol=1e-2 * float(e.abs().max()), rtol=1e-2) for g, e in zip(got, expected))
+
+
 # ------------------------------------------------------------------------------------------------ noise
 
 
