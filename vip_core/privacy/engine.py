@@ -625,13 +625,21 @@ def _group_norms(engine: DPEngine, tape: _Tape, plain: Any, norms: Norms) -> lis
     work += [(grads.numel(), functools.partial(_plain, param, grads, engine.buffer.add_rows)) for param, grads in plain]
     weights = [weight for weight, _ in work]
     computed = _spread([task for _, task in work], weights, norms.values.device)
-    results = tape.early.results() if tape.early is not None else []
-    results += [(group_norms, [(weight, add) for add in group_sums])
-                for (group_norms, group_sums), weight in zip(computed, weights)]
-    for group_norms, group_sums in results:
-        norms.merge(group_norms)
-        sums += group_sums
+    for early_norms, early_sums in tape.early.results() if tape.early is not None else []:
+        norms.merge(early_norms)
+        sums += early_sums
+    sums += _merged(norms, computed, weights)
     norms.fold_squares()
+    return sums
+
+
+def _merged(norms: Norms, computed: list[tuple[Norms, list[per_sample.Sum]]],
+            weights: list[int]) -> list[tuple[int, per_sample.Sum]]:
+    """Each computed group's norms merged into ``norms``; their sums, each with its group's weight."""
+    sums = []
+    for (group_norms, group_sums), weight in zip(computed, weights):
+        norms.merge(group_norms)
+        sums += [(weight, add) for add in group_sums]
     return sums
 
 
@@ -640,11 +648,7 @@ def _computed(engine: DPEngine, records: list[Record], batch: int,
     """The norms (an accumulator of their own) and sums of ``records``' layers, all on this thread."""
     norms = Norms(batch, device)
     work, sums = _layer_tasks(engine, records, norms)
-    for weight, task in work:
-        group_norms, group_sums = task()
-        norms.merge(group_norms)
-        sums += [(weight, add) for add in group_sums]
-    return norms, sums
+    return norms, sums + _merged(norms, [task() for _, task in work], [weight for weight, _ in work])
 
 
 def _layer_tasks(engine: DPEngine, records: list[Record],

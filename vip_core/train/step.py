@@ -53,6 +53,11 @@ LossFn = Callable[[nn.Module, Inputs], torch.Tensor]
 Observer = Callable[[nn.Module], None]
 
 
+def _no_epsilon() -> None:
+    """ε where there is none: a step without privacy, or a rank other than 0."""
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class StepReport:
     """One step's metrics. ``loss`` and ``examples`` are computed from the (private) data and are not
@@ -64,7 +69,7 @@ class StepReport:
     loss: float
     examples: int
     seconds: float
-    epsilon_of: Callable[[], float | None] = dataclasses.field(default=lambda: None, repr=False, compare=False)
+    epsilon_of: Callable[[], float | None] = dataclasses.field(default=_no_epsilon, repr=False, compare=False)
 
     @property
     def epsilon(self) -> float | None:
@@ -165,7 +170,7 @@ class TrainingStep(abc.ABC):
 
     def _account(self) -> Callable[[], float | None]:
         """Counts the step; returns what computes ε after it."""
-        return lambda: None
+        return _no_epsilon
 
     def state_dict(self) -> dict[str, Any]:
         """What every rank shares: the step count and the optimiser state."""
@@ -230,7 +235,7 @@ class PrivateStep(TrainingStep):
     def _account(self) -> Callable[[], float | None]:
         """Counts the step; ε after it on rank 0 (the other ranks need only :meth:`can_step`)."""
         self.ledger.record_step()
-        return functools.partial(self.ledger.epsilon_after, self.ledger.steps) if self.rank == 0 else lambda: None
+        return functools.partial(self.ledger.epsilon_after, self.ledger.steps) if self.rank == 0 else _no_epsilon
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "ledger": self.ledger.state_dict(), "plan": self.plan.to_dict()}
