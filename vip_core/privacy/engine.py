@@ -11,10 +11,11 @@ logical batch (never per microbatch) and the divisor is the public expected batc
 :func:`privatized_gradients` is the one-call form.
 
 How it is fast (book-keeping): one forward, then one backward that asks autograd only for activation gradients,
-so no layer computes its weight gradient. Forward hooks keep each supported layer's input ``A`` (cast to the
-autocast dtype first, the very operand the layer multiplies); an identity autograd node after the layer hands its
-output gradient ``G`` to the layer's :class:`~vip_core.privacy.per_sample.Record`. Layers of one shape are then
-computed together (:mod:`vip_core.privacy.per_sample`): per-sample squared norms with their rounding bounds, clip
+so no layer computes its weight gradient. A wrapper of each supported layer's forward keeps its input ``A`` (cast
+to the autocast dtype first, the very operand the layer multiplies) in the layer's
+:class:`~vip_core.privacy.per_sample.Record`, and the autograd edge of its output, at which the backward is asked
+for the output gradient ``G``. Layers of one shape are then computed together (:mod:`vip_core.privacy.per_sample`):
+per-sample squared norms with their rounding bounds, clip
 factors under the error model of :mod:`vip_core.privacy.numerics`, and the clipped sums, added into the noise
 already drawn in a flat buffer (:mod:`vip_core.privacy.buffer`). Plain parameters of shape ``[1, ...]``
 (cls/mask tokens, learnt position embeddings) are replaced during the forward by a per-sample stand-in ``[B, ...]``
@@ -40,6 +41,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.profiler import record_function
 
 from vip_core.privacy import numerics, per_sample
@@ -417,97 +419,112 @@ def padded_microbatches(inputs: Inputs, physical_batch_size: int | None) -> Iter
 # ------------------------------------------------------------------------------------------------ one microbatch
 
 
-class _Capture(torch.autograd.Function):
-    """Identity on a layer output whose backward records the output gradient. It marks its input dirty, so the
-    output keeps its identity and later in-place ops (e.g. ReLU(inplace)) still see the gradient of the layer's own
-    output; ``anchor`` makes autograd traverse every capture; ``ctx.layer`` lets the use check count the calls."""
-
-    @staticmethod
-    def forward(ctx: Any, output: torch.Tensor, anchor: torch.Tensor, tape: "_Tape", record: Record,
-                call: int) -> torch.Tensor:
-        ctx.tape, ctx.record, ctx.call, ctx.layer = tape, record, call, record.layer.module
-        ctx.version = record.inputs[call]._version
-        ctx.mark_dirty(output)
-        return output
-
-    @staticmethod
-    def backward(ctx: Any, output_grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
-        record = ctx.record
-        if record.inputs[ctx.call]._version != ctx.version:
-            raise RuntimeError(f"the input of layer '{record.layer.name}' was modified in place after the layer ran; "
-                               "per-sample gradients need it unchanged")
-        record.grads[ctx.call] = output_grad
-        if ctx.tape.early is not None:
-            ctx.tape.early.arrived(record)
-        return output_grad, None, None, None, None
-
-
 class _Tape:
-    """Hooks on the supported layers for one microbatch: under autocast a Linear's or Conv2d's float32 input is cast
-    to the autocast dtype first (as autocast would: the layer's own operand, kept instead of a float32 copy), and each
-    call's input is kept and its output captured; ``early``, where set, hears of each output gradient."""
+    """The supported layers' forwards wrapped for one microbatch: under autocast a Linear's or Conv2d's float32 input
+    is cast to the autocast dtype first (as autocast would: the layer's own operand, kept instead of a float32 copy),
+    and each call's input is kept with its version and the autograd edge of its output, whose gradient the backward
+    then asks for. A wrapped forward keeps the module's fast call path (a hook would not) and sees the layer's own
+    output, before any forward hook of the user's; ``early``, where set, hears of each output gradient."""
 
     def __init__(self, layers: list[Layer], batch: int) -> None:
         self.batch = batch
-        self.anchor = torch.zeros((), requires_grad=True)
         self.records = {layer.module: Record(layer) for layer in layers}
-        self.handles: list[Any] = []
+        self.calls: list[tuple[Record, int, GradientEdge]] = []  # each kept call's record, index and output edge
+        self.replaced: list[tuple[nn.Module, Any]] = []
         self.early: _EarlyGroups | None = None
 
     def __enter__(self) -> "_Tape":
         for module, record in self.records.items():
-            if isinstance(module, _CASTS):
-                self.handles.append(module.register_forward_pre_hook(self._cast_input, with_kwargs=True))
-            self.handles.append(module.register_forward_hook(self._keep, with_kwargs=True))
+            self.replaced.append((module, module.__dict__.get("forward")))
+            module.__dict__["forward"] = functools.partial(self._call, record, module.forward,
+                                                           isinstance(module, _CASTS))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for handle in self.handles:
-            handle.remove()
+        for module, own in self.replaced:
+            if own is None:
+                del module.__dict__["forward"]
+            else:
+                module.__dict__["forward"] = own
 
-    @staticmethod
-    def _cast_input(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        layer_input = args[0] if args else kwargs.get("input")
-        if not (torch.is_grad_enabled() and isinstance(layer_input, torch.Tensor)
-                and layer_input.dtype == torch.float32):
-            return None
-        cast = _autocast_dtype(layer_input.device)
-        if cast is None:
-            return None
-        if args:
-            return (layer_input.to(cast), *args[1:]), kwargs
-        return args, {**kwargs, "input": layer_input.to(cast)}
+    def _call(self, record: Record, forward: Callable, casts: bool, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if casts:
+            args, kwargs = _cast_input(args, kwargs)
+        return self._keep(record, args, kwargs, forward(*args, **kwargs))
 
-    def _keep(self, module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor | None:
-        record = self.records[module]
+    def _keep(self, record: Record, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
             raise UnsupportedLayerError(
                 f"layer '{record.layer.name}' ran without autograd, or during the backward (reentrant activation "
                 "checkpointing), while its parameters are trainable: they would be trained on noise alone; freeze "
                 "them (requires_grad=False), or use torch.utils.checkpoint with use_reentrant=False")
         if not output.requires_grad:
-            return None
+            return output
         layer_input = (args[0] if args else kwargs["input"]).detach()
         if layer_input.shape[0] != self.batch or output.shape[0] != self.batch:
             raise UnsupportedLayerError(
                 f"layer '{record.layer.name}' ran on an input of {layer_input.shape[0]} rows (output "
                 f"{output.shape[0]}) in a microbatch of {self.batch} samples: per-sample clipping needs the batch "
                 "on dim 0")
+        output, edge = _output_edge(output)
+        self.calls.append((record, len(record.inputs), edge))
         record.inputs.append(layer_input)
+        record.versions.append(layer_input._version)
         record.grads.append(None)
-        return _capture(output, self, record, len(record.inputs) - 1)
+        return output
+
+    def layers_of_nodes(self) -> dict[Any, nn.Module]:
+        """Each kept call's output node, with its layer module (for the parameter-use check)."""
+        return {edge.node: record.layer.module for record, _, edge in self.calls}
+
+    def listen(self, early: "_EarlyGroups") -> None:
+        """Tells ``early`` of each output gradient as the backward delivers it (a call whose node the backward does
+        not run, such as the first layer's, is not heard of: its layer stays with the step's thread)."""
+        self.early = early
+        for record, call, edge in self.calls:
+            edge.node.register_prehook(functools.partial(_arrived, early, record, call, edge.output_nr))
+
+    def received(self, grads: tuple[torch.Tensor | None, ...]) -> None:
+        """The backward's output gradients (in :attr:`calls`' order) given to the records not handed over."""
+        taken = self.early.taken() if self.early is not None else set()
+        for (record, call, _), grad in zip(self.calls, grads):
+            if record not in taken:
+                record.grads[call] = grad
 
 
-def _capture(output: torch.Tensor, tape: _Tape, record: Record, call: int) -> torch.Tensor:
-    """Routes the gradient of ``output`` to ``record``. A view (a Linear on [B, T, d] returns one of its [B·T, d]
-    result) is captured through its base, so the capture node stays visible in the graph."""
+def _output_edge(output: torch.Tensor) -> tuple[torch.Tensor, GradientEdge]:
+    """The layer output to return and the edge at which its gradient is asked for. A view (a Linear on [B, T, d]
+    returns one of its [B·T, d] result) is asked for through its base, whose gradient has the same entries: an
+    in-place operation on the view later would re-route the view's own node out of the graph, not the base's."""
     base = output._base
     if base is None:
-        return _Capture.apply(output, tape.anchor, tape, record, call)
+        return output, get_gradient_edge(output)
     if output.is_contiguous() and base.is_contiguous() and base.numel() == output.numel() and (
             output.storage_offset() == base.storage_offset()):
-        return _Capture.apply(base, tape.anchor, tape, record, call).view(output.shape)
-    return _Capture.apply(output.clone(), tape.anchor, tape, record, call)
+        return output, get_gradient_edge(base)
+    output = output.clone()
+    return output, get_gradient_edge(output)
+
+
+def _cast_input(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A Linear's or Conv2d's arguments with a float32 input cast to the autocast dtype, where autocast is on."""
+    layer_input = args[0] if args else kwargs.get("input")
+    if not (torch.is_grad_enabled() and isinstance(layer_input, torch.Tensor)
+            and layer_input.dtype == torch.float32):
+        return args, kwargs
+    cast = _autocast_dtype(layer_input.device)
+    if cast is None:
+        return args, kwargs
+    if args:
+        return (layer_input.to(cast), *args[1:]), kwargs
+    return args, {**kwargs, "input": layer_input.to(cast)}
+
+
+def _arrived(early: "_EarlyGroups", record: Record, call: int, output_nr: int,
+             grads: tuple[torch.Tensor | None, ...]) -> None:
+    """A node pre-hook: the gradient of one kept call's output has arrived."""
+    record.grads[call] = grads[output_nr]
+    early.arrived(record)
 
 
 class _EarlyGroups:
@@ -581,18 +598,20 @@ def _add_microbatch(engine: DPEngine, loss_fn: LossFn, inputs: Inputs, real: int
     with record_function("vip.forward"), _Tape(plan.layers, batch) as tape:
         swapped = stand_ins(plan.plain, batch)
         losses = per_sample_losses(model, loss_fn, inputs, swapped, batch)
-    engine.layout.check_uses(losses, engine.uses)
+    engine.layout.check_uses(losses, engine.uses, tape.layers_of_nodes)
     realness = engine.real_rows(batch, real, device)
     plain_grads: tuple = (None,) * len(swapped)
-    if losses.requires_grad:
+    edges = [edge for _, _, edge in tape.calls]
+    if losses.requires_grad and (edges or swapped):
         # the helper's IEEE float32 settings are the process's: only where they are so already may it run beside
         # the backward, whose precision is the user's
         if _helpers_have_cores(device) and numerics.cpu_float32_is_ieee():
-            tape.early = _EarlyGroups(engine, list(tape.records.values()), batch)
+            tape.listen(_EarlyGroups(engine, list(tape.records.values()), batch))
         with record_function("vip.backward"):
             weighted = losses.sum() if real == batch else torch.where(realness, losses, 0.0).sum()
-            wanted = [tape.anchor, *swapped.values()]
-            plain_grads = torch.autograd.grad(weighted, wanted, allow_unused=True)[1:]
+            grads = torch.autograd.grad(weighted, [*edges, *swapped.values()], allow_unused=True)
+        tape.received(grads[:len(edges)])
+        plain_grads = grads[len(edges):]
     engine.guard.check(before)
     with numerics.ieee_float32():
         norms = Norms(batch, device)
@@ -659,6 +678,7 @@ def _layer_tasks(engine: DPEngine, records: list[Record],
     groups: dict[tuple, tuple[list[Layer], list[torch.Tensor], list[torch.Tensor]]] = {}
     sums: list[tuple[int, per_sample.Sum]] = []
     for record in records:
+        _check_unchanged(record)
         calls = [(x, g) for x, g in zip(record.inputs, record.grads) if g is not None]
         record.inputs, record.grads = [], []  # the groups hold them now, and let them go once stacked
         if not calls:
@@ -685,6 +705,15 @@ def _layer_tasks(engine: DPEngine, records: list[Record],
              functools.partial(_group, engine, key, layers, firsts, seconds, add_rows))
             for key, (layers, firsts, seconds) in groups.items()]
     return work, sums
+
+
+def _check_unchanged(record: Record) -> None:
+    """Refuses a kept input of a call the loss reached that was modified in place after its layer ran (it is no
+    longer what the layer multiplied)."""
+    if any(x._version != version for x, version, g in zip(record.inputs, record.versions, record.grads)
+           if g is not None):
+        raise RuntimeError(f"the input of layer '{record.layer.name}' was modified in place after the layer ran; "
+                           "per-sample gradients need it unchanged")
 
 
 def _group(engine: DPEngine, key: tuple, layers: list[Layer], firsts: list[torch.Tensor],

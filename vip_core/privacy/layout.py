@@ -110,11 +110,13 @@ class LayoutCheck:
                                    "at all (docs/privacy.md, rule 5)", self.input_tries)
                     self.inputs_checked = True
 
-    def check_uses(self, losses: torch.Tensor, uses: dict[nn.Parameter, tuple[str, Any]]) -> None:
+    def check_uses(self, losses: torch.Tensor, uses: dict[nn.Parameter, tuple[str, Any]],
+                   layers_of_nodes: Callable[[], dict[Any, nn.Module]]) -> None:
         """On the first training forward: refuses a parameter used outside its layer (``uses``: each parameter's name
-        and its layer module, or None for a plain parameter)."""
+        and its layer module, or None for a plain parameter; ``layers_of_nodes``: each kept call's output node, with
+        its layer)."""
         if not self.uses_checked and losses.requires_grad:
-            _check_parameter_uses(losses, uses)
+            _check_parameter_uses(losses, uses, layers_of_nodes())
         self.uses_checked = True
 
     def _check_layers(self, model: nn.Module, loss_fn: LossFn, inputs: Inputs, batch: int) -> set[str] | None:
@@ -535,10 +537,11 @@ def _mixing_message(name: str, swapped: dict[str, torch.Tensor], sample: int) ->
             "sample (a sequence-first or flattened layout); per-sample clipping needs the batch on dim 0")
 
 
-def _check_parameter_uses(losses: torch.Tensor, uses: dict[nn.Parameter, tuple[str, Any]]) -> None:
+def _check_parameter_uses(losses: torch.Tensor, uses: dict[nn.Parameter, tuple[str, Any]],
+                          layers_of_nodes: dict[Any, nn.Module]) -> None:
     """Each layer parameter must reach the loss once per call of its layer that reaches the loss, and nowhere else;
     a plain parameter only through its stand-in. Otherwise a gradient would escape clipping."""
-    edges, calls = _graph_uses(losses.grad_fn, set(uses))
+    edges, calls = _graph_uses(losses.grad_fn, set(uses), layers_of_nodes)
     for param, (name, layer) in uses.items():
         expected = 0 if layer is None else calls[layer]
         if edges[param] != expected:
@@ -548,15 +551,16 @@ def _check_parameter_uses(losses: torch.Tensor, uses: dict[nn.Parameter, tuple[s
                 "which cannot be clipped per sample")
 
 
-def _graph_uses(root: Any, params: set[nn.Parameter]) -> tuple[Counter, Counter]:
+def _graph_uses(root: Any, params: set[nn.Parameter],
+                layers_of_nodes: dict[Any, nn.Module]) -> tuple[Counter, Counter]:
     """From ``root``: how many autograd edges lead into each of ``params`` (through autocast casts), and how many
-    captured calls of each layer (a capture node's ``layer``) are reached."""
+    kept calls of each layer (their output nodes, ``layers_of_nodes``) are reached."""
     edges: Counter[nn.Parameter] = Counter()
     calls: Counter[Any] = Counter()
     seen, stack = {root}, [root]
     while stack:
         node = stack.pop()
-        layer = getattr(node, "layer", None)
+        layer = layers_of_nodes.get(node)
         if layer is not None:
             calls[layer] += 1
         for child, _ in node.next_functions:

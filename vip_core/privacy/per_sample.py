@@ -53,10 +53,12 @@ class Layer:
 
 @dataclass(eq=False)
 class Record:
-    """What one microbatch kept of one layer: each call's input and output gradient (None until it arrives)."""
+    """What one microbatch kept of one layer: each call's input, the input's version then, and the call's output
+    gradient (None until it arrives)."""
 
     layer: Layer
     inputs: list[torch.Tensor] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
     grads: list[torch.Tensor | None] = field(default_factory=list)
 
 

@@ -7,6 +7,7 @@ import logging
 import math
 import re
 import threading
+import weakref
 
 import pytest
 import torch
@@ -273,6 +274,19 @@ def test_groups_spread_over_idle_cores_give_bit_identical_gradients(monkeypatch)
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
+def test_a_step_that_hands_layers_over_during_the_backward_lets_its_graph_and_inputs_go(monkeypatch):
+    """The hand-over listens on the autograd graph's nodes: the step must not keep them (and the activations they
+    hold) alive once it is done, or every step would leak its graph."""
+    monkeypatch.setattr(engine, "idle_cores", lambda: torch.get_num_threads())
+    monkeypatch.setattr(engine, "SPREAD_MIN_ELEMENTS", 0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    inputs = torch.randn(3, 4)
+    kept = weakref.ref(inputs)  # the first Linear's backward node holds it for its weight gradient
+    engine_grads(model, lambda m, x: m(x).sum(-1), inputs, 0.5)
+    del inputs
+    assert kept() is None
+
+
 @pytest.mark.parametrize("build, loss_fn, inputs", [
     (tiny_mae, mae_loss, mae_inputs(5)),
     (MixedNet, lambda m, x: m(x).sum(-1), torch.randn(5, 3, 8, 8)),
@@ -301,8 +315,13 @@ def test_layers_handed_to_an_idle_core_during_the_backward_give_the_exact_clippe
 def test_where_the_users_float32_matmuls_are_not_ieee_no_layer_is_handed_over_during_the_backward(monkeypatch):
     """The helper's IEEE float32 settings are the process's: set during the backward, they would change the precision
     of the user's backward, and with it the gradients, from run to run."""
-    handed = []
-    monkeypatch.setattr(engine, "_EarlyGroups", lambda *args: handed.append(args))
+    handed, listening = [], engine._EarlyGroups
+
+    def recorded(*args):
+        handed.append(args)
+        return listening(*args)
+
+    monkeypatch.setattr(engine, "_EarlyGroups", recorded)
     monkeypatch.setattr(engine, "idle_cores", lambda: torch.get_num_threads())
     previous = torch.get_float32_matmul_precision()
     try:
@@ -1477,3 +1496,34 @@ def test_an_integer_minimum_over_the_batch_through_a_tuple_is_still_named(batch,
         _one_sum(DPEngine(nn.Linear(12, 3), max_grad_norm=1.0),
                  lambda m, q: m((q - q.min(0).values).float().flatten(1)).pow(2).sum(-1), p)
     assert "could not watch the integer inputs input" in caplog.text
+
+
+def test_a_forward_hook_of_the_users_that_changes_a_layer_output_is_differentiated_through():
+    # the weight's gradient is x^T times the gradient of the layer's own output, before the hook scales it
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    model[0].register_forward_hook(lambda module, args, output: output * 3.0)
+    assert_matches_reference(model, lambda m, x: m(x).square().sum(-1), torch.randn(5, 4), 0.5)
+
+
+class ScalesItsTokens(nn.Module):
+    """A Linear on [B, T, d] (its output a view of a [B·T, d] result) whose output is then changed in place."""
+
+    def __init__(self, inplace: str) -> None:
+        super().__init__()
+        self.fc, self.out, self.inplace = nn.Linear(4, 6), nn.Linear(6, 2), inplace
+
+    def forward(self, x):
+        hidden = self.fc(x)
+        if self.inplace == "relu":
+            hidden.relu_()
+        else:
+            hidden[:, 0].mul_(2.0)
+        return self.out(hidden)
+
+
+@pytest.mark.parametrize("inplace", ["relu", "slice"])
+def test_a_token_layers_output_changed_in_place_afterwards_gives_the_exact_clipped_sum(inplace):
+    torch.manual_seed(0)
+    assert_matches_reference(ScalesItsTokens(inplace), lambda m, x: m(x).square().sum((1, 2)), torch.randn(5, 3, 4),
+                             0.5)
