@@ -28,26 +28,29 @@ trainable parameter of any other layer type, a plain parameter whose leading dim
 normalisation in training mode, a buffer the training forward changes, a parameter shared between layers or used
 outside its layer's forward (tied weights), an ``Embedding`` with ``scale_grad_by_freq`` or ``sparse``, a layer
 whose input or output does not have the microbatch on dim 0, a model that mixes samples (a sequence-first layout,
-batch statistics of the inputs), and a layer input modified in place after the layer ran.
+batch statistics of the inputs), and a layer input modified in place after the layer ran (or its output gradient,
+once a helper thread took it during the backward).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
-from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.autograd.graph import GradientEdge
 from torch.profiler import record_function
 
 from vip_core.privacy import numerics, per_sample
 from vip_core.privacy.buffer import GradientBuffer, StepNoise, idle_cores, noise_pool
 from vip_core.privacy.layout import (
-    Inputs, LayoutCheck, LossFn, UnsupportedLayerError, WriteGuard, per_sample_losses, stand_ins,
+    Inputs, LayoutCheck, LossFn, UnsupportedLayerError, WriteGuard, edge_gradients, output_edge, per_sample_losses,
+    stand_ins, wrapped_forwards,
 )
 from vip_core.privacy.numerics import Numerics
 from vip_core.privacy.per_sample import Layer, Norms, Record
@@ -420,37 +423,23 @@ def padded_microbatches(inputs: Inputs, physical_batch_size: int | None) -> Iter
 
 
 class _Tape:
-    """The supported layers' forwards wrapped for one microbatch: under autocast a Linear's or Conv2d's float32 input
-    is cast to the autocast dtype first (as autocast would: the layer's own operand, kept instead of a float32 copy),
-    and each call's input is kept with its version and the autograd edge of its output, whose gradient the backward
-    then asks for. A wrapped forward keeps the module's fast call path (a hook would not) and sees the layer's own
-    output, before any forward hook of the user's; ``early``, where set, hears of each output gradient."""
+    """The supported layers' forwards wrapped for one microbatch (:func:`~vip_core.privacy.layout.wrapped_forwards`):
+    under autocast a Linear's or Conv2d's float32 input is cast to the autocast dtype first (as autocast would: the
+    layer's own operand, kept instead of a float32 copy), and each call's input is kept with its version, and the
+    autograd edge of its output, at which the backward is asked for the output gradient."""
 
     def __init__(self, layers: list[Layer], batch: int) -> None:
         self.batch = batch
         self.records = {layer.module: Record(layer) for layer in layers}
         self.calls: list[tuple[Record, int, GradientEdge]] = []  # each kept call's record, index and output edge
-        self.replaced: list[tuple[nn.Module, Any]] = []
-        self.early: _EarlyGroups | None = None
 
-    def __enter__(self) -> "_Tape":
-        for module, record in self.records.items():
-            self.replaced.append((module, module.__dict__.get("forward")))
-            module.__dict__["forward"] = functools.partial(self._call, record, module.forward,
-                                                           isinstance(module, _CASTS))
-        return self
+    def wrapped(self) -> contextlib.AbstractContextManager:
+        return wrapped_forwards(self.records, self._call)
 
-    def __exit__(self, *exc: object) -> None:
-        for module, own in self.replaced:
-            if own is None:
-                del module.__dict__["forward"]
-            else:
-                module.__dict__["forward"] = own
-
-    def _call(self, record: Record, forward: Callable, casts: bool, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if casts:
+    def _call(self, module: nn.Module, forward: Callable, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if isinstance(module, _CASTS):
             args, kwargs = _cast_input(args, kwargs)
-        return self._keep(record, args, kwargs, forward(*args, **kwargs))
+        return self._keep(self.records[module], args, kwargs, forward(*args, **kwargs))
 
     def _keep(self, record: Record, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
@@ -466,7 +455,7 @@ class _Tape:
                 f"layer '{record.layer.name}' ran on an input of {layer_input.shape[0]} rows (output "
                 f"{output.shape[0]}) in a microbatch of {self.batch} samples: per-sample clipping needs the batch "
                 "on dim 0")
-        output, edge = _output_edge(output)
+        output, edge = output_edge(output)
         self.calls.append((record, len(record.inputs), edge))
         record.inputs.append(layer_input)
         record.versions.append(layer_input._version)
@@ -477,33 +466,22 @@ class _Tape:
         """Each kept call's output node, with its layer module (for the parameter-use check)."""
         return {edge.node: record.layer.module for record, _, edge in self.calls}
 
-    def listen(self, early: "_EarlyGroups") -> None:
-        """Tells ``early`` of each output gradient as the backward delivers it (a call whose node the backward does
-        not run, such as the first layer's, is not heard of: its layer stays with the step's thread)."""
-        self.early = early
-        for record, call, edge in self.calls:
-            edge.node.register_prehook(functools.partial(_arrived, early, record, call, edge.output_nr))
+    def backward(self, weighted: torch.Tensor, stand_ins: list[torch.Tensor],
+                 early: "_EarlyGroups | None") -> list[torch.Tensor | None]:
+        """Gives each record its output gradients (``early``, where set, hears of each as it arrives and may take
+        records over); returns the stand-ins' gradients."""
+        def arrived(index: int, grad: torch.Tensor | None) -> None:
+            record, call, _ = self.calls[index]
+            record.grads[call] = grad
+            early.arrived(record)
 
-    def received(self, grads: tuple[torch.Tensor | None, ...]) -> None:
-        """The backward's output gradients (in :attr:`calls`' order) given to the records not handed over."""
-        taken = self.early.taken() if self.early is not None else set()
+        grads, at_stand_ins = edge_gradients(weighted, [edge for _, _, edge in self.calls], stand_ins,
+                                             arrived=arrived if early is not None else None)
+        taken = early.taken() if early is not None else set()
         for (record, call, _), grad in zip(self.calls, grads):
             if record not in taken:
                 record.grads[call] = grad
-
-
-def _output_edge(output: torch.Tensor) -> tuple[torch.Tensor, GradientEdge]:
-    """The layer output to return and the edge at which its gradient is asked for. A view (a Linear on [B, T, d]
-    returns one of its [B·T, d] result) is asked for through its base, whose gradient has the same entries: an
-    in-place operation on the view later would re-route the view's own node out of the graph, not the base's."""
-    base = output._base
-    if base is None:
-        return output, get_gradient_edge(output)
-    if output.is_contiguous() and base.is_contiguous() and base.numel() == output.numel() and (
-            output.storage_offset() == base.storage_offset()):
-        return output, get_gradient_edge(base)
-    output = output.clone()
-    return output, get_gradient_edge(output)
+        return at_stand_ins
 
 
 def _cast_input(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -518,13 +496,6 @@ def _cast_input(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     if args:
         return (layer_input.to(cast), *args[1:]), kwargs
     return args, {**kwargs, "input": layer_input.to(cast)}
-
-
-def _arrived(early: "_EarlyGroups", record: Record, call: int, output_nr: int,
-             grads: tuple[torch.Tensor | None, ...]) -> None:
-    """A node pre-hook: the gradient of one kept call's output has arrived."""
-    record.grads[call] = grads[output_nr]
-    early.arrived(record)
 
 
 class _EarlyGroups:
@@ -542,6 +513,7 @@ class _EarlyGroups:
             self.members.setdefault(key, []).append(record)
         self.waiting = {key: sum(len(r.inputs) for r in members) for key, members in self.members.items()}
         self.handed: list[tuple[list[Record], Future]] = []
+        self.watched: list[tuple[weakref.ref, int, str]] = []  # each handed tensor, its version then, its layer
 
     def arrived(self, record: Record) -> None:
         """One output gradient of ``record`` has arrived; hands its cluster over once all of them have."""
@@ -551,8 +523,20 @@ class _EarlyGroups:
         if self.waiting[key] or sum(x.numel() + g.numel() for r in members
                                     for x, g in zip(r.inputs, r.grads) if g is not None) < SPREAD_MIN_ELEMENTS:
             return
+        self.watched += [(weakref.ref(t), t._version, r.layer.name) for r in members
+                         for t in (*r.inputs, *r.grads) if t is not None]
         task = functools.partial(_computed, self.engine, members, self.batch, members[0].inputs[0].device)
         self.handed.append((members, noise_pool(idle_cores()).submit(_in_ieee_float32, task)))
+
+    def check_unchanged(self) -> None:
+        """Refuses, after the backward, a handed tensor that the rest of the backward changed in place (a custom
+        autograd Function writing into a gradient or a saved input it shares with a layer): the helper took its norm
+        from what it was, the sum would add what it is."""
+        for tensor, version, name in self.watched:
+            alive = tensor()
+            if alive is not None and alive._version != version:
+                raise RuntimeError(f"the input or output gradient of layer '{name}' was modified in place during the "
+                                   "backward; per-sample gradients need them unchanged")
 
     def taken(self) -> set[Record]:
         """The records handed over (the step's own thread leaves them alone)."""
@@ -595,28 +579,29 @@ def _add_microbatch(engine: DPEngine, loss_fn: LossFn, inputs: Inputs, real: int
     before = engine.guard.snapshot()
     if not engine.layout.done:
         engine.layout.check(model, loss_fn, _map(inputs, lambda t: t[:real]), real)
-    with record_function("vip.forward"), _Tape(plan.layers, batch) as tape:
+    tape = _Tape(plan.layers, batch)
+    with record_function("vip.forward"), tape.wrapped():
         swapped = stand_ins(plan.plain, batch)
         losses = per_sample_losses(model, loss_fn, inputs, swapped, batch)
     engine.layout.check_uses(losses, engine.uses, tape.layers_of_nodes)
     realness = engine.real_rows(batch, real, device)
     plain_grads: tuple = (None,) * len(swapped)
-    edges = [edge for _, _, edge in tape.calls]
-    if losses.requires_grad and (edges or swapped):
+    early = None
+    if losses.requires_grad:
         # the helper's IEEE float32 settings are the process's: only where they are so already may it run beside
         # the backward, whose precision is the user's
         if _helpers_have_cores(device) and numerics.cpu_float32_is_ieee():
-            tape.listen(_EarlyGroups(engine, list(tape.records.values()), batch))
+            early = _EarlyGroups(engine, list(tape.records.values()), batch)
         with record_function("vip.backward"):
             weighted = losses.sum() if real == batch else torch.where(realness, losses, 0.0).sum()
-            grads = torch.autograd.grad(weighted, [*edges, *swapped.values()], allow_unused=True)
-        tape.received(grads[:len(edges)])
-        plain_grads = grads[len(edges):]
+            plain_grads = tuple(tape.backward(weighted, list(swapped.values()), early))
+        if early is not None:
+            early.check_unchanged()
     engine.guard.check(before)
     with numerics.ieee_float32():
         norms = Norms(batch, device)
         with record_function("vip.norms"):
-            sums = _group_norms(engine, tape, zip(plan.plain, plain_grads), norms)
+            sums = _group_norms(engine, tape, early, zip(plan.plain, plain_grads), norms)
             factors, non_finite = numerics.clip_factors(norms.values, engine.max_grad_norm, realness)
             # clearing non-finite entries is a pass over every operand: a CPU reads the flag for free, a GPU would
             # wait for it, so it always clears
@@ -634,17 +619,18 @@ def _add_microbatch(engine: DPEngine, loss_fn: LossFn, inputs: Inputs, real: int
     total.totals.add(real, losses, factors, realness, norms.values[0], engine.max_grad_norm)
 
 
-def _group_norms(engine: DPEngine, tape: _Tape, plain: Any, norms: Norms) -> list[tuple[int, per_sample.Sum]]:
+def _group_norms(engine: DPEngine, tape: _Tape, early: "_EarlyGroups | None", plain: Any,
+                 norms: Norms) -> list[tuple[int, per_sample.Sum]]:
     """Every layer's and plain parameter's norms added to ``norms``, layers of one shape together; their sums, each
     with the number of elements its group computes with."""
-    taken = tape.early.taken() if tape.early is not None else set()
+    taken = early.taken() if early is not None else set()
     records = [record for record in tape.records.values() if record not in taken]
     work, sums = _layer_tasks(engine, records, norms)
     plain = [(param, grads) for (_, param), grads in plain if grads is not None]
     work += [(grads.numel(), functools.partial(_plain, param, grads, engine.buffer.add_rows)) for param, grads in plain]
     weights = [weight for weight, _ in work]
     computed = _spread([task for _, task in work], weights, norms.values.device)
-    for early_norms, early_sums in tape.early.results() if tape.early is not None else []:
+    for early_norms, early_sums in early.results() if early is not None else []:
         norms.merge(early_norms)
         sums += early_sums
     sums += _merged(norms, computed, weights)

@@ -14,12 +14,15 @@ unsupported layouts, it is not a defence against code that behaves differently o
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 from collections import Counter
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.func import functional_call
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
@@ -60,6 +63,66 @@ def per_sample_losses(model: nn.Module, loss_fn: LossFn, inputs: Inputs, swapped
         shape = list(losses.shape) if isinstance(losses, torch.Tensor) else type(losses).__name__
         raise ValueError(f"loss_fn must return one loss per sample, shape [{batch}], got {shape}")
     return losses
+
+
+@contextlib.contextmanager
+def wrapped_forwards(modules: Iterable[nn.Module], call: Callable[..., torch.Tensor]) -> Iterator[None]:
+    """Within the block, each module's ``forward`` is ``call(module, forward, *args, **kwargs)`` (``forward`` its
+    own). Unlike a module hook, this keeps torch's fast call path, also sees a ``.forward(...)`` called directly, and
+    sees the layer's own output, before any forward hook of the user's."""
+    replaced: list[tuple[nn.Module, Any]] = []
+    try:
+        for module in modules:
+            replaced.append((module, module.__dict__.get("forward")))
+            module.__dict__["forward"] = functools.partial(call, module, module.forward)
+        yield
+    finally:
+        for module, own in replaced:
+            if own is None:
+                del module.__dict__["forward"]
+            else:
+                module.__dict__["forward"] = own
+
+
+def output_edge(output: torch.Tensor) -> tuple[torch.Tensor, GradientEdge]:
+    """The layer output to return and the autograd edge at which its gradient is asked for. A view (a Linear on
+    [B, T, d] returns one of its [B·T, d] result) is asked for through its base, whose gradient has the same entries
+    in the same order: an in-place operation on the view later would re-route the view's own node out of the graph,
+    not the base's."""
+    base = output._base
+    if base is None:
+        return output, get_gradient_edge(output)
+    if output.is_contiguous() and base.is_contiguous() and base.numel() == output.numel() and (
+            output.storage_offset() == base.storage_offset()):
+        return output, get_gradient_edge(base)
+    output = output.clone()
+    return output, get_gradient_edge(output)
+
+
+def edge_gradients(root: torch.Tensor, edges: list[GradientEdge], tensors: list[torch.Tensor], *,
+                   retain_graph: bool = False,
+                   arrived: Callable[[int, torch.Tensor | None], None] | None = None) -> tuple[list, list]:
+    """The gradients of ``root`` at ``edges`` and at ``tensors`` (None where not reached). An edge's gradient is the
+    one its node receives, after any tensor hook of the user's on the layer output, as the layer's weight gradient
+    would be; ``arrived(index, grad)`` hears of each as the backward delivers it (an edge whose node the backward does
+    not run, such as the first layer's, only at the end, from autograd's own answer)."""
+    if not edges and not tensors:
+        return [], []
+    received: dict[int, torch.Tensor | None] = {}
+
+    def heard(index: int, output_nr: int, grads: tuple[torch.Tensor | None, ...]) -> None:
+        received[index] = grads[output_nr]
+        if arrived is not None:
+            arrived(index, grads[output_nr])
+
+    handles = [edge.node.register_prehook(functools.partial(heard, index, edge.output_nr))
+               for index, edge in enumerate(edges)]
+    try:
+        grads = torch.autograd.grad(root, [*edges, *tensors], retain_graph=retain_graph, allow_unused=True)
+    finally:
+        for handle in handles:  # the graph must not hold the listener (nor, through it, the caller)
+            handle.remove()
+    return [received.get(index, grad) for index, grad in enumerate(grads[:len(edges)])], list(grads[len(edges):])
 
 
 class _LossCall(nn.Module):
@@ -123,22 +186,29 @@ class LayoutCheck:
         """The names reached by both checked samples' losses, or None when the microbatch proves nothing (a loss
         not finite, a NaN in another sample's rows)."""
         swapped = stand_ins(self.plain, batch)
-        outputs: list[tuple[str, torch.Tensor]] = []
-        handles = [module.register_forward_hook(_keep_output(name, outputs)) for name, module in self.layers]
-        try:
+        names = {module: name for name, module in self.layers}
+        outputs: list[tuple[str, torch.Size, GradientEdge]] = []
+
+        def keep(module: nn.Module, forward: Callable, *args: Any, **kwargs: Any) -> Any:
+            output = forward(*args, **kwargs)
+            if isinstance(output, torch.Tensor) and output.requires_grad:
+                output, edge = output_edge(output)
+                outputs.append((names[module], output.shape, edge))
+            return output
+
+        with wrapped_forwards(names, keep):
             losses = per_sample_losses(model, loss_fn, inputs, swapped, batch)
-        finally:
-            for handle in handles:
-                handle.remove()
-        watched = [*swapped.items(), *outputs]
+        watched = [(name, tensor.shape) for name, tensor in swapped.items()] + [(n, s) for n, s, _ in outputs]
         reached = Counter()
         for sample in _checked_samples(batch):
             if not _proves_something(losses[sample]):
                 return None
-            grads = torch.autograd.grad(losses[sample], [t for _, t in watched], retain_graph=True, allow_unused=True)
-            for (name, _), grad in zip(watched, grads):
+            at_edges, at_stand_ins = edge_gradients(losses[sample], [edge for _, _, edge in outputs],
+                                                    list(swapped.values()), retain_graph=True)
+            for (name, shape), grad in zip(watched, at_stand_ins + at_edges):
                 if grad is None:
                     continue
+                grad = grad.reshape(shape)  # a view's gradient comes as its base's
                 others = _other_rows(grad, sample)
                 if bool(others.isnan().any()):
                     return None
@@ -498,14 +568,6 @@ def _proves_something(loss: torch.Tensor) -> bool:
 
 def _other_rows(grad: torch.Tensor, sample: int) -> torch.Tensor:
     return torch.cat([grad[:sample], grad[sample + 1:]])
-
-
-def _keep_output(name: str, outputs: list[tuple[str, torch.Tensor]]) -> Callable:
-    def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-        if isinstance(output, torch.Tensor) and output.requires_grad:
-            outputs.append((name, output))
-
-    return hook
 
 
 def _watched_inputs(inputs: Inputs, point: str = "data") -> tuple[Inputs, list[tuple[str, torch.Tensor]]]:

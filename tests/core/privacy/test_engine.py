@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import collections
+import gc
 import logging
 import math
 import re
 import threading
+import time
 import weakref
 
 import pytest
@@ -1527,3 +1529,123 @@ def test_a_token_layers_output_changed_in_place_afterwards_gives_the_exact_clipp
     torch.manual_seed(0)
     assert_matches_reference(ScalesItsTokens(inplace), lambda m, x: m(x).square().sum((1, 2)), torch.randn(5, 3, 4),
                              0.5)
+
+
+class CentresALayerOutput(nn.Module):
+    """Batch centring of a layer's output, where the input check cannot see it (the input is prepared without
+    autograd): in a user's forward hook, in place, or after a ``.forward`` called directly."""
+
+    def __init__(self, route: str) -> None:
+        super().__init__()
+        self.a, self.b, self.route = nn.Linear(8, 16), nn.Linear(16, 4), route
+        if route == "hook":
+            self.a.register_forward_hook(lambda module, args, output: output - output.mean(0, keepdim=True))
+
+    def forward(self, x):
+        with torch.no_grad():
+            x = x * 0.5
+        if self.route == "direct":
+            hidden = self.a.forward(x)
+            hidden = hidden - hidden.mean(0, keepdim=True)
+        else:
+            hidden = self.a(x)
+            if self.route == "in place":
+                hidden -= hidden.mean(0, keepdim=True)
+        return self.b(torch.tanh(hidden)).square().sum(1)
+
+
+@pytest.mark.parametrize("route", ["hook", "in place", "direct"])
+def test_samples_mixed_right_after_a_layer_are_refused_however_the_model_does_it(route):
+    with pytest.raises(UnsupportedLayerError, match="layer 'a': sample 0's loss reaches other rows"):
+        engine_grads(CentresALayerOutput(route), lambda m, x: m(x), torch.randn(8, 8), 1.0)
+
+
+class CallsForwardDirectly(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 6), nn.Linear(6, 2)
+
+    def forward(self, x):
+        return self.b.forward(torch.tanh(self.a.forward(x)))
+
+
+def test_layers_whose_forward_is_called_directly_give_the_exact_clipped_sum():
+    torch.manual_seed(0)
+    assert_matches_reference(CallsForwardDirectly(), lambda m, x: m(x).square().sum(-1), torch.randn(5, 4), 0.5)
+
+
+class ScalesAGradient(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.mid, self.b = nn.Linear(4, 6), nn.Linear(6, 6), nn.Linear(6, 2)
+
+    def forward(self, x):
+        hidden = self.mid(torch.tanh(self.a(x)))
+        hidden.register_hook(lambda grad: grad * 5.0)
+        return self.b(torch.tanh(hidden))
+
+
+@pytest.mark.parametrize("helpers", [False, True], ids=["alone", "with-helpers"])
+def test_a_tensor_hook_of_the_users_on_a_layer_output_is_in_the_gradient_clipped(monkeypatch, helpers):
+    """The weight gradient autograd would compute sees the hook's scaling, so the clipped one must too."""
+    if helpers:
+        monkeypatch.setattr(engine, "idle_cores", lambda: torch.get_num_threads())
+        monkeypatch.setattr(engine, "SPREAD_MIN_ELEMENTS", 0)
+    torch.manual_seed(0)
+    assert_matches_reference(ScalesAGradient(), lambda m, x: m(x).square().sum(-1), torch.randn(5, 4), 10.0)
+
+
+class ScaleGradientInPlace(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(0.05)  # the helper has taken the layer's norm by now
+        return grad.mul_(10.0)
+
+
+class SharesAGradient(nn.Module):
+    """A custom Function whose backward scales, in place, the gradient it shares with layer ``fc``'s output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.fc, self.head = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 2)
+
+    def forward(self, x):
+        hidden = torch.tanh(self.inp(x))
+        scaled = ScaleGradientInPlace.apply(torch.sin(hidden))  # its node runs after fc's
+        return self.head(torch.tanh(scaled + self.fc(hidden))).square().sum(1)
+
+
+def test_a_gradient_changed_in_place_after_its_layer_was_handed_to_a_helper_is_refused(monkeypatch):
+    """The helper took the norm from what the gradient was; the sum would add what it became."""
+    monkeypatch.setattr(engine, "idle_cores", lambda: torch.get_num_threads())
+    monkeypatch.setattr(engine, "SPREAD_MIN_ELEMENTS", 0)
+    with pytest.raises(RuntimeError, match="output gradient of layer 'fc' was modified in place during the backward"):
+        engine_grads(SharesAGradient(), lambda m, x: m(x), torch.randn(6, 8), 0.01)
+
+
+class KeepsItsLastOutput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 1)
+
+    def forward(self, x):
+        self.last = self.a(x)  # kept for logging, with its graph
+        return self.b(torch.tanh(self.last)).sum(-1)
+
+
+@pytest.mark.parametrize("helpers", [False, True], ids=["alone", "with-helpers"])
+def test_a_model_that_keeps_an_output_with_its_graph_is_freed_once_dropped(monkeypatch, helpers):
+    """The graph the model keeps must not hold the engine's listeners, which hold the engine and the model."""
+    if helpers:
+        monkeypatch.setattr(engine, "idle_cores", lambda: torch.get_num_threads())
+        monkeypatch.setattr(engine, "SPREAD_MIN_ELEMENTS", 0)
+    model = KeepsItsLastOutput()
+    engine_grads(model, lambda m, x: m(x), torch.randn(3, 4), 1.0)
+    kept = weakref.ref(model)
+    del model
+    gc.collect()
+    assert kept() is None
