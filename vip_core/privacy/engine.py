@@ -28,15 +28,13 @@ trainable parameter of any other layer type, a plain parameter whose leading dim
 normalisation in training mode, a buffer the training forward changes, a parameter shared between layers or used
 outside its layer's forward (tied weights), an ``Embedding`` with ``scale_grad_by_freq`` or ``sparse``, a layer
 whose input or output does not have the microbatch on dim 0, a model that mixes samples (a sequence-first layout,
-batch statistics of the inputs), and a layer input modified in place after the layer ran (or its output gradient,
-once a helper thread took it during the backward).
+batch statistics of the inputs), and a layer input modified in place after the layer ran.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
@@ -513,7 +511,6 @@ class _EarlyGroups:
             self.members.setdefault(key, []).append(record)
         self.waiting = {key: sum(len(r.inputs) for r in members) for key, members in self.members.items()}
         self.handed: list[tuple[list[Record], Future]] = []
-        self.watched: list[tuple[weakref.ref, int, str]] = []  # each handed tensor, its version then, its layer
 
     def arrived(self, record: Record) -> None:
         """One output gradient of ``record`` has arrived; hands its cluster over once all of them have."""
@@ -523,20 +520,11 @@ class _EarlyGroups:
         if self.waiting[key] or sum(x.numel() + g.numel() for r in members
                                     for x, g in zip(r.inputs, r.grads) if g is not None) < SPREAD_MIN_ELEMENTS:
             return
-        self.watched += [(weakref.ref(t), t._version, r.layer.name) for r in members
-                         for t in (*r.inputs, *r.grads) if t is not None]
+        for record in members:
+            _check_unchanged(record)
+            _own_copies(record)
         task = functools.partial(_computed, self.engine, members, self.batch, members[0].inputs[0].device)
         self.handed.append((members, noise_pool(idle_cores()).submit(_in_ieee_float32, task)))
-
-    def check_unchanged(self) -> None:
-        """Refuses, after the backward, a handed tensor that the rest of the backward changed in place (a custom
-        autograd Function writing into a gradient or a saved input it shares with a layer): the helper took its norm
-        from what it was, the sum would add what it is."""
-        for tensor, version, name in self.watched:
-            alive = tensor()
-            if alive is not None and alive._version != version:
-                raise RuntimeError(f"the input or output gradient of layer '{name}' was modified in place during the "
-                                   "backward; per-sample gradients need them unchanged")
 
     def taken(self) -> set[Record]:
         """The records handed over (the step's own thread leaves them alone)."""
@@ -545,6 +533,15 @@ class _EarlyGroups:
     def results(self) -> list[tuple[Norms, list[tuple[int, per_sample.Sum]]]]:
         """Each handed cluster's norms and sums, in the order they were handed over (waits for them)."""
         return [future.result() for _, future in self.handed]
+
+
+def _own_copies(record: Record) -> None:
+    """Gives ``record`` copies of its inputs and gradients, taken now: the rest of the backward may still write into
+    the originals (a custom autograd Function into a gradient it shares with the layer, through ``.data`` too), and
+    the helper's norms and sums must both come from one value."""
+    record.inputs = [x.clone() for x in record.inputs]
+    record.grads = [None if g is None else g.clone() for g in record.grads]
+    record.versions = [x._version for x in record.inputs]
 
 
 def _early_key(record: Record) -> tuple:
@@ -595,8 +592,6 @@ def _add_microbatch(engine: DPEngine, loss_fn: LossFn, inputs: Inputs, real: int
         with record_function("vip.backward"):
             weighted = losses.sum() if real == batch else torch.where(realness, losses, 0.0).sum()
             plain_grads = tuple(tape.backward(weighted, list(swapped.values()), early))
-        if early is not None:
-            early.check_unchanged()
     engine.guard.check(before)
     with numerics.ieee_float32():
         norms = Norms(batch, device)
