@@ -15,9 +15,8 @@ so no layer computes its weight gradient. A wrapper of each supported layer's fo
 to the autocast dtype first, the very operand the layer multiplies) in the layer's
 :class:`~vip_core.privacy.per_sample.Record`, and the autograd edge of its output, at which the backward is asked
 for the output gradient ``G``. Layers of one shape are then computed together (:mod:`vip_core.privacy.per_sample`):
-per-sample squared norms with their rounding bounds, clip
-factors under the error model of :mod:`vip_core.privacy.numerics`, and the clipped sums, added into the noise
-already drawn in a flat buffer (:mod:`vip_core.privacy.buffer`). Plain parameters of shape ``[1, ...]``
+per-sample squared norms with their rounding bounds, clip factors under the error model of
+:mod:`vip_core.privacy.numerics`, and the clipped sums, added into the noise already drawn in a flat buffer (:mod:`vip_core.privacy.buffer`). Plain parameters of shape ``[1, ...]``
 (cls/mask tokens, learnt position embeddings) are replaced during the forward by a per-sample stand-in ``[B, ...]``
 whose gradient is per sample. Each microbatch is padded to the physical batch size with copies of its first sample
 whose losses are weighted 0 (their gradients are exactly 0, and their clip factors 0), so that every microbatch has
@@ -475,7 +474,7 @@ class _Tape:
 
         grads, at_stand_ins = edge_gradients(weighted, [edge for _, _, edge in self.calls], stand_ins,
                                              arrived=arrived if early is not None else None)
-        taken = early.taken() if early is not None else set()
+        taken = early.taken if early is not None else set()
         for (record, call, _), grad in zip(self.calls, grads):
             if record not in taken:
                 record.grads[call] = grad
@@ -510,7 +509,8 @@ class _EarlyGroups:
         for record, key in self.cluster.items():
             self.members.setdefault(key, []).append(record)
         self.waiting = {key: sum(len(r.inputs) for r in members) for key, members in self.members.items()}
-        self.handed: list[tuple[list[Record], Future]] = []
+        self.handed: list[Future] = []  # each handed cluster's norms and sums, in the order handed over
+        self.taken: set[Record] = set()  # the records handed over (the step's own thread leaves them alone)
 
     def arrived(self, record: Record) -> None:
         """One output gradient of ``record`` has arrived; hands its cluster over once all of them have."""
@@ -521,24 +521,21 @@ class _EarlyGroups:
                                     for x, g in zip(r.inputs, r.grads) if g is not None) < SPREAD_MIN_ELEMENTS:
             return
         for record in members:
-            _check_unchanged(record)
             _own_copies(record)
+        self.taken.update(members)
         task = functools.partial(_computed, self.engine, members, self.batch, members[0].inputs[0].device)
-        self.handed.append((members, noise_pool(idle_cores()).submit(_in_ieee_float32, task)))
-
-    def taken(self) -> set[Record]:
-        """The records handed over (the step's own thread leaves them alone)."""
-        return {record for members, _ in self.handed for record in members}
+        self.handed.append(noise_pool(idle_cores()).submit(_in_ieee_float32, task))
 
     def results(self) -> list[tuple[Norms, list[tuple[int, per_sample.Sum]]]]:
         """Each handed cluster's norms and sums, in the order they were handed over (waits for them)."""
-        return [future.result() for _, future in self.handed]
+        return [future.result() for future in self.handed]
 
 
 def _own_copies(record: Record) -> None:
-    """Gives ``record`` copies of its inputs and gradients, taken now: the rest of the backward may still write into
-    the originals (a custom autograd Function into a gradient it shares with the layer, through ``.data`` too), and
-    the helper's norms and sums must both come from one value."""
+    """Checks ``record``'s inputs and gives it copies of them and of its gradients, taken now: the rest of the
+    backward may still write into the originals (a custom autograd Function into a gradient it shares with the
+    layer, through ``.data`` too), and the helper's norms and sums must both come from one value."""
+    _check_unchanged(record)
     record.inputs = [x.clone() for x in record.inputs]
     record.grads = [None if g is None else g.clone() for g in record.grads]
     record.versions = [x._version for x in record.inputs]
@@ -618,7 +615,7 @@ def _group_norms(engine: DPEngine, tape: _Tape, early: "_EarlyGroups | None", pl
                  norms: Norms) -> list[tuple[int, per_sample.Sum]]:
     """Every layer's and plain parameter's norms added to ``norms``, layers of one shape together; their sums, each
     with the number of elements its group computes with."""
-    taken = early.taken() if early is not None else set()
+    taken = early.taken if early is not None else set()
     records = [record for record in tape.records.values() if record not in taken]
     work, sums = _layer_tasks(engine, records, norms)
     plain = [(param, grads) for (_, param), grads in plain if grads is not None]
