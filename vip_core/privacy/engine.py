@@ -429,6 +429,7 @@ class _Tape:
         self.batch = batch
         self.records = {layer.module: Record(layer) for layer in layers}
         self.calls: list[tuple[Record, int, GradientEdge]] = []  # each kept call's record, index and output edge
+        self.sizes: dict[Record, int] = {}  # each record's kept inputs' and output gradients' elements
 
     def wrapped(self) -> contextlib.AbstractContextManager:
         return wrapped_forwards(self.records, self._call)
@@ -454,6 +455,7 @@ class _Tape:
                 "on dim 0")
         output, edge = output_edge(output)
         self.calls.append((record, len(record.inputs), edge))
+        self.sizes[record] = self.sizes.get(record, 0) + layer_input.numel() + output.numel()
         record.inputs.append(layer_input)
         record.versions.append(layer_input._version)
         record.grads.append(None)
@@ -484,8 +486,8 @@ class _Tape:
 def _cast_input(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """A Linear's or Conv2d's arguments with a float32 input cast to the autocast dtype, where autocast is on."""
     layer_input = args[0] if args else kwargs.get("input")
-    if not (torch.is_grad_enabled() and isinstance(layer_input, torch.Tensor)
-            and layer_input.dtype == torch.float32):
+    if not (torch._C._is_any_autocast_enabled() and torch.is_grad_enabled()  # the first: a fast test of them all
+            and isinstance(layer_input, torch.Tensor) and layer_input.dtype == torch.float32):
         return args, kwargs
     cast = _autocast_dtype(layer_input.device)
     if cast is None:
@@ -500,11 +502,18 @@ class _EarlyGroups:
     layers of one shape are handed to a helper thread as soon as the backward has delivered their last output
     gradient, so that their norms run beside the rest of the backward (a ViT's decoder blocks beside its encoder's).
     Which layers go together is a guess from the forward's shapes; the helper groups them by their actual keys, as
-    the step's own thread would. Clusters too small to be worth a helper stay with the step's thread."""
+    the step's own thread would. Clusters too small to be worth a helper (by the sizes the forward kept) stay with
+    the step's thread, and are not followed through the backward."""
 
-    def __init__(self, engine: "DPEngine", records: list[Record], batch: int) -> None:
+    def __init__(self, engine: "DPEngine", tape: _Tape, batch: int) -> None:
         self.engine, self.batch = engine, batch
-        self.cluster = {record: _early_key(record) for record in records if record.inputs}
+        self.cluster: dict[Record, tuple] = {}
+        if sum(tape.sizes.values()) >= SPREAD_MIN_ELEMENTS:  # else no cluster can be worth a helper
+            keys = {record: _early_key(record) for record in tape.sizes}
+            totals: dict[tuple, int] = {}
+            for record, key in keys.items():
+                totals[key] = totals.get(key, 0) + tape.sizes[record]
+            self.cluster = {record: key for record, key in keys.items() if totals[key] >= SPREAD_MIN_ELEMENTS}
         self.members: dict[tuple, list[Record]] = {}
         for record, key in self.cluster.items():
             self.members.setdefault(key, []).append(record)
@@ -514,12 +523,13 @@ class _EarlyGroups:
 
     def arrived(self, record: Record) -> None:
         """One output gradient of ``record`` has arrived; hands its cluster over once all of them have."""
-        key = self.cluster[record]
-        self.waiting[key] -= 1
-        members = self.members[key]
-        if self.waiting[key] or sum(x.numel() + g.numel() for r in members
-                                    for x, g in zip(r.inputs, r.grads) if g is not None) < SPREAD_MIN_ELEMENTS:
+        key = self.cluster.get(record)
+        if key is None:
             return
+        self.waiting[key] -= 1
+        if self.waiting[key]:
+            return
+        members = self.members[key]
         for record in members:
             _own_copies(record)
         self.taken.update(members)
@@ -585,7 +595,8 @@ def _add_microbatch(engine: DPEngine, loss_fn: LossFn, inputs: Inputs, real: int
         # the helper's IEEE float32 settings are the process's: only where they are so already may it run beside
         # the backward, whose precision is the user's
         if _helpers_have_cores(device) and numerics.cpu_float32_is_ieee():
-            early = _EarlyGroups(engine, list(tape.records.values()), batch)
+            early = _EarlyGroups(engine, tape, batch)
+            early = early if early.cluster else None
         with record_function("vip.backward"):
             weighted = losses.sum() if real == batch else torch.where(realness, losses, 0.0).sum()
             plain_grads = tuple(tape.backward(weighted, list(swapped.values()), early))

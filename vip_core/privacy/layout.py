@@ -319,9 +319,11 @@ class WriteGuard:
         self.tree = [module for _, module in self.modules]
         self.structure = tree_state(self.tree)
 
-    def snapshot(self) -> tuple[list, list[int]]:
-        buffers = [tuple((key, tensor, _version(tensor)) for key, tensor in module._buffers.items())
-                   for _, module in self.modules]
+    def snapshot(self) -> tuple[dict[int, tuple], list[int]]:
+        """Each module's buffers (by the module's index; modules without any left out) with their versions, and every
+        parameter's version."""
+        buffers = {index: tuple((key, tensor, _version(tensor)) for key, tensor in table.items())
+                   for index, table in _buffer_tables(self.tree)}
         return buffers, [param._version for _, param in self.params]
 
     def moved(self) -> bool:
@@ -338,18 +340,23 @@ class WriteGuard:
                 "what it was made from, and the plan no longer matches the model; make such changes before training "
                 "or between steps")
 
-    def check(self, before: tuple[list, list[int]]) -> None:
+    def check(self, before: tuple[dict[int, tuple], list[int]]) -> None:
         """Refuses, by name, a buffer or a parameter that changed since ``before`` (a :meth:`snapshot`)."""
         buffers, versions = before
-        for (prefix, module), entries in zip(self.modules, buffers):
-            now = tuple(module._buffers.items())
-            if len(now) != len(entries) or any(key != old_key or tensor is not old or _version(tensor) != version
-                                               for (key, tensor), (old_key, old, version) in zip(now, entries)):
-                names = ", ".join(f"'{prefix}.{key}'" if prefix else f"'{key}'" for key, _ in now) or "(removed)"
+        now = dict(_buffer_tables(self.tree))
+        for index in buffers.keys() | now.keys():
+            entries, table = buffers.get(index, ()), now.get(index, {})
+            if len(table) != len(entries) or any(key != old_key or tensor is not old or _version(tensor) != version
+                                                 for (key, tensor), (old_key, old, version)
+                                                 in zip(table.items(), entries)):
+                prefix = self.modules[index][0]
+                names = ", ".join(f"'{prefix}.{key}'" if prefix else f"'{key}'" for key in table) or "(removed)"
                 raise UnsupportedLayerError(
                     f"buffer {names} changed while training on private data (e.g. running statistics): it would be "
                     "computed from private data without noise and published with the weights; set its module to "
                     "eval mode or stop it tracking statistics")
+        if [param._version for _, param in self.params] == versions:
+            return
         for (name, param), version in zip(self.params, versions):
             if param._version != version:
                 raise UnsupportedLayerError(
@@ -358,15 +365,24 @@ class WriteGuard:
                     "the weights without clipping or noise")
 
 
+def _buffer_tables(modules: list[nn.Module]) -> list[tuple[int, dict[str, torch.Tensor | None]]]:
+    """Each module that has buffers, by its index in ``modules``, with its own table of them (most modules have
+    none: skipping them keeps the per-microbatch snapshot cheap)."""
+    return [(index, module._buffers) for index, module in enumerate(modules) if module._buffers]
+
+
 def tree_state(modules: list[nn.Module]) -> tuple:
-    """Each module's children and parameters (by identity, with requires_grad, dtype and device), read from the
-    modules' own tables. ``modules`` is the whole tree as it was, held by the caller (so no id is reused): a module or
-    parameter added, replaced, frozen, unfrozen or moved anywhere changes the table of one of them. One pass over the
-    tables costs a fraction of ``model.modules()`` and ``model.parameters()``, which recurse through generators."""
-    return tuple((tuple(map(id, module._modules.values())),
-                  tuple(None if p is None else (id(p), p.requires_grad, p.dtype, p.device)
-                        for p in module._parameters.values()))
-                 for module in modules)
+    """Each module's children (by identity), how many parameters each module holds, and every parameter's identity,
+    requires_grad, dtype and device, read from the modules' own tables (the flat identities with the counts give each
+    module's own). ``modules`` is the whole tree as it was, held by the caller (so no id is reused): a module or
+    parameter added, replaced, frozen, unfrozen or moved anywhere changes the table of one of them. Empty tables (most
+    modules have no children or no parameters) are not walked."""
+    children = [tuple(map(id, module._modules.values())) if module._modules else () for module in modules]
+    tables = [module._parameters for module in modules]
+    values = [value for table in tables if table for value in table.values()]
+    params = [param for param in values if param is not None]
+    return (children, [len(table) for table in tables], list(map(id, values)), [p.requires_grad for p in params],
+            [p.dtype for p in params], [p.device for p in params])
 
 
 def _version(tensor: torch.Tensor | None) -> int | None:

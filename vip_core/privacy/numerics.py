@@ -197,11 +197,11 @@ def ghost_terms(act_gram: torch.Tensor, grad_gram: torch.Tensor, computed_norms:
     offsets, scales = _norm_bound_constants(d_in, d_out, act_gram.device)  # [2, 1, 1] float64 each
     norms = (computed_norms.double() + offsets) * scales  # norms: [2, N, T] float64 (norm_upper_bounds)
     ghost = torch.sum(act_gram * grad_gram, (1, 2), dtype=torch.float64)  # [N]
-    quadratic = torch.stack([_quadratic(grad_gram, norms[0].float()), _quadratic(act_gram, norms[1].float())])
+    quadratic = _quadratics(torch.stack([grad_gram, act_gram]), norms.float())  # (Q_G, Q_A) rounded: [2, N]
     quadratic = quadratic.double() * (1 + 2 * gamma(tokens + 1, FLOAT32_ROUNDOFF))  # (Q_G, Q_A): [2, N]
     cross = norms.prod(0).sum(1)  # S: [N]
     growth = (norms.sum(2) + 1).prod(0)  # P: [N]
-    features = torch.cat([quadratic, torch.stack([cross.square(), growth.square()])])  # [4, N]
+    features = torch.cat([quadratic, torch.stack([cross, growth]).square()])  # (Q_G, Q_A, S², P²): [4, N]
     bound, margin_acts, margin_grads = _ghost_weights(d_in, d_out, tokens, numbers, *dtypes,
                                                       act_gram.device) @ features  # [3, N]
     underflow = (1.01 * SMALLEST_NORMAL * (math.sqrt(d_in) + math.sqrt(d_out))) * growth
@@ -214,10 +214,12 @@ def ghost_terms(act_gram: torch.Tensor, grad_gram: torch.Tensor, computed_norms:
     return torch.stack([ghost, ghost + bound, margin, underflow]), scales_acts
 
 
-def _quadratic(gram: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
-    """``[N]`` float32: ``nᵀ|K|n`` for ``gram`` ``[N, T, T]`` and ``norms`` ``[N, T]`` (rounded to nearest: the caller
-    makes it an upper bound)."""
-    return torch.linalg.vecdot(torch.bmm(gram.abs(), norms.unsqueeze(2)).squeeze(2), norms)
+def _quadratics(grams: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
+    """``[2, N]`` float32: ``nᵀ|K|n`` for each of the stacked ``grams`` ``[2, N, T, T]`` (taken in place) with its
+    ``norms`` ``[2, N, T]`` (rounded to nearest: the caller makes them upper bounds)."""
+    pairs, rows, tokens = norms.shape
+    weighted = torch.bmm(grams.abs_().view(-1, tokens, tokens), norms.view(-1, tokens, 1))  # [2N, T, 1]
+    return torch.linalg.vecdot(weighted.view(pairs, rows, tokens), norms)
 
 
 @functools.cache

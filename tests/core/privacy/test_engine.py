@@ -20,7 +20,7 @@ from torch.nn import functional as F
 
 from vip_core.config import get_preset
 from vip_core.models.mae import build_mae
-from vip_core.privacy import engine, numerics, per_sample
+from vip_core.privacy import engine, layout, numerics, per_sample
 from vip_core.privacy.engine import DPEngine, UnsupportedLayerError, plan_model, privatized_gradients
 from vip_core.privacy.randomness import GaussianDraw, RandomStream
 
@@ -996,6 +996,48 @@ def test_a_module_or_parameter_replaced_after_planning_is_planned_and_checked_ag
     model[1] = nn.Sequential(nn.BatchNorm1d(4, affine=False), nn.Linear(4, 2))
     with pytest.raises(UnsupportedLayerError, match=r"layer '1.0' .BatchNorm1d. mixes the samples"):
         step()
+
+
+def _move_first_bias_to_the_next_layer(model: nn.Sequential) -> None:
+    """The same parameters in the same order over the whole model, held by other modules."""
+    bias = model[0]._parameters.pop("bias")
+    model[1]._parameters = {"moved": bias, **model[1]._parameters}
+
+
+@pytest.mark.parametrize("change", [
+    lambda m: m[0].weight.requires_grad_(False),
+    lambda m: m[0].register_parameter("weight", nn.Parameter(m[0].weight.detach().clone())),
+    lambda m: m[1].register_parameter("bias", None),
+    _move_first_bias_to_the_next_layer,
+    lambda m: setattr(m[1].weight, "data", m[1].weight.data.double()),
+    lambda m: m[2].add_module("inner", nn.Linear(4, 4)),
+    lambda m: m.append(nn.Identity()),
+    lambda m: m._modules.update({"0": m[1], "1": m[0]}),
+], ids=["frozen", "replaced", "removed", "moved-between-layers", "dtype", "child-of-a-leaf", "appended", "swapped"])
+def test_the_write_guard_sees_each_change_to_the_modules_and_parameters(change):
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 4), nn.ReLU())
+    guard = layout.WriteGuard(model)
+    assert not guard.moved()
+    change(model)
+    assert guard.moved()
+
+
+@pytest.mark.parametrize(("change", "named"), [
+    (lambda m: m[2].register_buffer("mean", torch.zeros(4)), "buffer '2.mean' changed"),
+    (lambda m: m[0].register_buffer("mean", torch.zeros(4)), "buffer '0.scale', '0.mean' changed"),
+    (lambda m: m[0]._buffers.pop("scale"), r"buffer \(removed\) changed"),
+    (lambda m: m[0].register_buffer("scale", torch.ones(4)), "buffer '0.scale' changed"),
+    (lambda m: m[0].scale.add_(1), "buffer '0.scale' changed"),
+], ids=["added-to-a-module-without", "added-beside-one", "removed", "replaced", "written"])
+def test_the_write_guard_names_a_buffer_added_removed_replaced_or_written(change, named):
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 4), nn.ReLU())
+    model[0].register_buffer("scale", torch.ones(4))
+    guard = layout.WriteGuard(model)
+    before = guard.snapshot()
+    guard.check(before)
+    change(model)
+    with pytest.raises(UnsupportedLayerError, match=named):
+        guard.check(before)
 
 
 class FrozenStatistics(nn.Module):
