@@ -44,21 +44,30 @@ class GradientBuffer:
             for row, param in enumerate(members):
                 self.rows[id(param)] = (region, row)
                 self.views.append((param, region[row].view(shape)))
-        self.indices: dict[tuple[int, ...], torch.Tensor] = {}
+        self.targets: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor | None]] = {}
 
     def add_rows(self, params: list[nn.Parameter], values: torch.Tensor) -> None:
         """Adds ``values`` ``[L, n]`` (one row per parameter of one shape) to the sums of ``params``: one in-place
         addition where their rows are consecutive, else one ``index_add_``."""
+        key = tuple(map(id, params))
+        if key not in self.targets:
+            self.targets[key] = self._target(params)
+        rows, index = self.targets[key]
+        if index is None:
+            rows.add_(values)
+        else:
+            rows.index_add_(0, index, values)
+
+    def _target(self, params: list[nn.Parameter]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Where ``params``' sums are: their consecutive rows ``[L, n]`` and None, or their shape's region and the
+        index of their rows (kept from step to step: a group's parameters are the same at every step)."""
         region, first = self.rows[id(params[0])]
         if any(self.rows[id(param)][0] is not region for param in params):
             raise ValueError("add_rows: the parameters do not share one shape's region of the buffer")
         rows = tuple(self.rows[id(param)][1] for param in params)
         if rows == tuple(range(first, first + len(rows))):
-            region[first:first + len(rows)].add_(values)
-            return
-        if rows not in self.indices:
-            self.indices[rows] = torch.tensor(rows, device=region.device)
-        region.index_add_(0, self.indices[rows], values)
+            return region[first:first + len(rows)], None
+        return region, torch.tensor(rows, device=region.device)
 
     def set_gradients(self, expected_batch_size: float, all_reduce: Callable[[torch.Tensor], None] | None) -> None:
         """Sums each flat tensor over workers (``all_reduce``, in place), divides it by ``expected_batch_size`` and

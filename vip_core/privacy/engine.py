@@ -680,8 +680,8 @@ def _layer_tasks(engine: DPEngine, records: list[Record],
         if layer.kind == "matmul":
             numbers = engine.device_numerics(calls[0][0].device)
             parts = [per_sample.matmul_tokens(layer, x, g) for x, g in calls]
-            first = _joined([a.to(numbers.operand_dtype(a.dtype)) for a, _ in parts], 2)
-            second = _joined([g.to(numbers.operand_dtype(g.dtype)) for _, g in parts], 2)
+            first = _joined([numbers.operand(a) for a, _ in parts], 2)
+            second = _joined([numbers.operand(g) for _, g in parts], 2)
             key = per_sample.matmul_key(layer, first, second)
         else:
             parts = [per_sample.layer_norm_tokens(layer, x, g) for x, g in calls]

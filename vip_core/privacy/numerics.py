@@ -70,6 +70,11 @@ class Numerics:
         """The dtype an operand kept in ``dtype`` is multiplied in (bfloat16 stays bfloat16 unless strict)."""
         return torch.bfloat16 if dtype == torch.bfloat16 and not self.strict else torch.float32
 
+    def operand(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` in the dtype it is multiplied in (itself where it is in it already)."""
+        dtype = self.operand_dtype(tensor.dtype)
+        return tensor if tensor.dtype == dtype else tensor.to(dtype)
+
     def scaled_roundoff(self, dtype: torch.dtype) -> float:
         """The relative error of ``round(f·x)`` for an operand multiplied in ``dtype``: the float32 product's
         rounding, then bfloat16's where it is rounded again."""
