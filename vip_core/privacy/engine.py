@@ -486,9 +486,11 @@ class _Tape:
 def _cast_input(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """A Linear's or Conv2d's arguments with a float32 input cast to the autocast dtype, where autocast is on."""
     layer_input = args[0] if args else kwargs.get("input")
-    if not (torch._C._is_any_autocast_enabled() and torch.is_grad_enabled()  # the first: a fast test of them all
-            and isinstance(layer_input, torch.Tensor) and layer_input.dtype == torch.float32):
+    if not (torch.is_grad_enabled() and isinstance(layer_input, torch.Tensor)
+            and layer_input.dtype == torch.float32):
         return args, kwargs
+    if (layer_input.is_cpu or layer_input.is_cuda) and not torch._C._is_any_autocast_enabled():
+        return args, kwargs  # one fast test of every device's autocast, which covers these two (not MPS)
     cast = _autocast_dtype(layer_input.device)
     if cast is None:
         return args, kwargs
