@@ -40,7 +40,7 @@ from tasks.runtime.environment import configure_environment, state_paths
 from tasks.runtime.folders import RESULT_FILE
 from tasks.runtime.names import STAGES
 from tasks.runtime.sizing import confirm, size_run, url_list_rows
-from tasks.runtime.stopping import INTERRUPTED, is_supervised, kept_work, run_supervised
+from tasks.runtime.stopping import INTERRUPTED, hear_ctrl_c, is_supervised, kept_work, run_supervised
 from vip_core.config import ConfigError, VipConfig
 
 TARGETS = ("run", *STAGES)
@@ -191,12 +191,17 @@ def main(argv: list[str] | None = None) -> int:
 def supervise(args: argparse.Namespace, config: VipConfig, argv: list[str]) -> int:
     """The size line, the confirmation, then the flow in a supervised child (:mod:`tasks.runtime.stopping`)
     served by a Prefect server that outlives it; returns the exit status."""
+    hear_ctrl_c()
     folders = target_folders(args, config)
     size = size_run(config, tuple(folders), ingest_rows=_ingest_rows(args),
                     done={stage for stage, folder in folders.items() if is_finished(folder)},
                     evaluation=args.target in EVALUATING_TARGETS)
     say(size.line())
-    refusal = confirm(size, yes=args.yes, flag="--yes (make: YES=1)")
+    try:
+        refusal = confirm(size, yes=args.yes, flag="--yes (make: YES=1)")
+    except KeyboardInterrupt:  # Ctrl-C at the question
+        print(f"\nmake {args.target}: not started", file=sys.stderr)
+        return INTERRUPTED
     if refusal:
         print(f"make {args.target}: {refusal}", file=sys.stderr)
         return 2
@@ -210,6 +215,7 @@ def run_flow_supervised(name: str, module_argv: list[str], kept: Callable[[], st
     When stopped, the flow run (noted by :func:`noting_flow_run`) and its open task runs are marked Cancelled while
     the server still runs, and ``kept()`` is the line printed.
     """
+    hear_ctrl_c()
     notes = tempfile.TemporaryDirectory(prefix="vip-flow-run-")
     flow_run_file = Path(notes.name) / "id"
     os.environ[FLOW_RUN_FILE_ENV] = str(flow_run_file)

@@ -42,6 +42,14 @@ def is_supervised() -> bool:
     return os.environ.get(SUPERVISED_ENV) == "1"
 
 
+def hear_ctrl_c() -> None:
+    """At a terminal, makes Ctrl-C raise KeyboardInterrupt here also where the shell that started this process left
+    SIGINT ignored (as a non-interactive shell does for its background jobs, and the process inherits): the person at
+    the terminal expects it to stop the command, before :func:`run_supervised` takes the signal over too."""
+    if sys.stdin is not None and sys.stdin.isatty() and signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def run_supervised(command: list[str], *, stopped: Callable[[], str], spare: Iterable[int] = ()) -> int:
     """Runs ``command`` in a new process group and returns its exit status; on SIGINT, SIGTERM or SIGHUP stops it.
 

@@ -8,6 +8,7 @@ each here: a run up to its first training checkpoint, then the rerun).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -139,25 +140,48 @@ def test_make_run_of_a_paper_preset_without_a_gpu_stops_at_the_confirmation(tmp_
 
 
 @pytest.mark.skipif(Devices.here().gpus > 0, reason="the confirmation is for machines without a GPU")
-@pytest.mark.parametrize("answer, started", [("n", False), ("y", True)])
+@pytest.mark.parametrize("answer, started", [("n", False), ("y", True), (None, False)], ids=["n", "y", "ctrl-c"])
 def test_at_a_terminal_a_paper_preset_asks_and_the_answer_decides(tmp_path, answer, started):
     """The question on a terminal (a pseudo-terminal here); "y" starts the run (stopped by the test as soon as it
-    names its Prefect server), anything else does not."""
+    names its Prefect server), anything else does not, and Ctrl-C at the question stops the command. The command
+    starts with SIGINT ignored, as a non-interactive shell's background job (a CI script's) leaves it: at a terminal
+    Ctrl-C must still stop it."""
     import pty
 
     controller, terminal = pty.openpty()
     process = subprocess.Popen([sys.executable, "-m", "flows.app.run", "run", "--preset", "vip-base"], cwd=ROOT,
                                stdin=terminal, stdout=terminal, stderr=terminal, start_new_session=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
                                env={**os.environ, "VIP_HOME": str(tmp_path / "home"), "PREFECT_API_URL": ""})
     os.close(terminal)
-    shown = _read_until(controller, "Start it anyway? [y/N]")
-    assert "size: render 1,050,000 images" in shown, shown
-    os.write(controller, f"{answer}\n".encode())
-    shown = _read_until(controller, "Prefect" if started else "not started")
-    if started:
-        os.killpg(process.pid, signal.SIGINT)
-    assert process.wait(timeout=60) == (130 if started else 2), shown
-    os.close(controller)
+    try:
+        shown = _read_until(controller, "Start it anyway? [y/N]")
+        assert "size: render 1,050,000 images" in shown, shown
+        if answer is None:
+            os.killpg(process.pid, signal.SIGINT)
+        else:
+            os.write(controller, f"{answer}\n".encode())
+        shown = _read_until(controller, "Prefect" if started else "not started")
+        if started:
+            os.killpg(process.pid, signal.SIGINT)
+        assert process.wait(timeout=60) == (2 if answer == "n" else 130), shown
+        assert "Traceback" not in shown, shown
+    finally:
+        _kill_tree(process.pid)
+        os.close(controller)
+
+
+def _kill_tree(pid: int) -> None:
+    """Kills a command and everything it started, in any session (a test that failed must not leave a run going)."""
+    try:
+        root = psutil.Process(pid)
+        processes = [*root.children(recursive=True), root]
+    except psutil.NoSuchProcess:
+        return
+    for process in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    psutil.wait_procs(processes, timeout=10)
 
 
 def _read_until(controller: int, text: str, timeout_s: float = 120.0) -> str:
