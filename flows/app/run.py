@@ -286,10 +286,10 @@ def prefect_server_for_run() -> Iterator[list[int]]:
         yield []
         return
     server = start_prefect_server(port=free_port())
-    os.environ["PREFECT_API_URL"] = f"{server.url}/api"
-    os.environ.setdefault("PREFECT_UI_URL", prefect_url())  # links to the run: make ui's server, which shows it later
-    say(f"a temporary Prefect server at {server.url}, stopped after the flow")
-    try:
+    try:  # from here on: a Ctrl-C while the line below is said must not leave the server behind
+        os.environ["PREFECT_API_URL"] = f"{server.url}/api"
+        os.environ.setdefault("PREFECT_UI_URL", prefect_url())  # links to the run: make ui's server, which shows it
+        say(f"a temporary Prefect server at {server.url}, stopped after the flow")
         yield [server.process.pid]
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the flow is over: a Ctrl-C now does not cut this stop short

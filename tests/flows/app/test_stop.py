@@ -50,15 +50,7 @@ class Terminal:
 
     def its_processes(self) -> list[str]:
         """The processes this command started that are still running (by marker or by session)."""
-        found = []
-        for process in psutil.process_iter(["pid", "name"]):
-            try:
-                if (process.environ().get("VIP_TEST_MARKER") == self.marker
-                        or os.getsid(process.pid) == self.process.pid):
-                    found.append(f"{process.pid} {process.info['name']}")
-            except (psutil.Error, ProcessLookupError):
-                continue
-        return found
+        return _left_running(self.marker, session=self.process.pid)
 
     def ctrl_c(self) -> float:
         """Ctrl-C: SIGINT to the command's process group; returns the seconds until none of its processes is left."""
@@ -149,10 +141,12 @@ def test_at_a_terminal_a_paper_preset_asks_and_the_answer_decides(tmp_path, answ
     import pty
 
     controller, terminal = pty.openpty()
+    marker = uuid.uuid4().hex
     process = subprocess.Popen([sys.executable, "-m", "flows.app.run", "run", "--preset", "vip-base"], cwd=ROOT,
                                stdin=terminal, stdout=terminal, stderr=terminal, start_new_session=True,
                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
-                               env={**os.environ, "VIP_HOME": str(tmp_path / "home"), "PREFECT_API_URL": ""})
+                               env={**os.environ, "VIP_HOME": str(tmp_path / "home"), "PREFECT_API_URL": "",
+                                    "VIP_TEST_MARKER": marker})
     os.close(terminal)
     try:
         shown = _read_until(controller, "Start it anyway? [y/N]")
@@ -166,9 +160,24 @@ def test_at_a_terminal_a_paper_preset_asks_and_the_answer_decides(tmp_path, answ
             os.killpg(process.pid, signal.SIGINT)
         assert process.wait(timeout=60) == (2 if answer == "n" else 130), shown
         assert "Traceback" not in shown, shown
+        assert _left_running(marker) == [], shown  # the temporary Prefect server too
     finally:
         _kill_tree(process.pid)
         os.close(controller)
+
+
+def _left_running(marker: str, session: int | None = None) -> list[str]:
+    """The processes still running with ``marker`` in their environment (a command's, in any session) or in
+    ``session``."""
+    found = []
+    for process in psutil.process_iter(["pid", "name"]):
+        try:
+            if ((process.environ().get("VIP_TEST_MARKER") == marker or os.getsid(process.pid) == session)
+                    and process.status() != psutil.STATUS_ZOMBIE):
+                found.append(f"{process.pid} {process.info['name']}")
+        except (psutil.Error, ProcessLookupError):
+            continue
+    return found
 
 
 def _kill_tree(pid: int) -> None:
