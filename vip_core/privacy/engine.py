@@ -16,9 +16,9 @@ to the autocast dtype first, the very operand the layer multiplies) in the layer
 :class:`~vip_core.privacy.per_sample.Record`, and the autograd edge of its output, at which the backward is asked
 for the output gradient ``G``. Layers of one shape are then computed together (:mod:`vip_core.privacy.per_sample`):
 per-sample squared norms with their rounding bounds, clip factors under the error model of
-:mod:`vip_core.privacy.numerics`, and the clipped sums, added into the noise already drawn in a flat buffer (:mod:`vip_core.privacy.buffer`). Plain parameters of shape ``[1, ...]``
-(cls/mask tokens, learnt position embeddings) are replaced during the forward by a per-sample stand-in ``[B, ...]``
-whose gradient is per sample. Each microbatch is padded to the physical batch size with copies of its first sample
+:mod:`vip_core.privacy.numerics`, and the clipped sums, added into the noise already drawn in a flat buffer
+(:mod:`vip_core.privacy.buffer`). Plain parameters of shape ``[1, ...]`` (cls/mask tokens, learnt position
+embeddings) are replaced during the forward by a per-sample stand-in ``[B, ...]`` whose gradient is per sample. Each microbatch is padded to the physical batch size with copies of its first sample
 whose losses are weighted 0 (their gradients are exactly 0, and their clip factors 0), so that every microbatch has
 the same shapes.
 
