@@ -60,7 +60,8 @@ __all__ = ["ClippedGradientSum", "DPEngine", "Inputs", "LossFn", "ModelPlan", "S
 EQUIVALENT_SUBCLASSES = frozenset({"timm.layers.norm.LayerNorm", "timm.layers.linear.Linear"})
 KINDS = {nn.Linear: "matmul", nn.Conv2d: "matmul", nn.LayerNorm: "layer_norm", nn.Embedding: "embedding"}
 _CASTS = (nn.Linear, nn.Conv2d)  # the layers autocast runs in its lower precision
-SPREAD_MIN_ELEMENTS = 1 << 18  # the least a group computes with to be worth a helper thread (about 1 MiB of float32)
+SPREAD_MIN_WORK = 1 << 22  # the fewest multiply-adds worth a helper thread (about 0.1 ms of one core)
+EARLY_MIN_ELEMENTS = 1 << 18  # the fewest elements a cluster keeps to be worth following through the backward
 
 
 @dataclass(frozen=True)
@@ -510,12 +511,12 @@ class _EarlyGroups:
     def __init__(self, engine: "DPEngine", tape: _Tape, batch: int) -> None:
         self.engine, self.batch = engine, batch
         self.cluster: dict[Record, tuple] = {}
-        if sum(tape.sizes.values()) >= SPREAD_MIN_ELEMENTS:  # else no cluster can be worth a helper
+        if sum(tape.sizes.values()) >= EARLY_MIN_ELEMENTS:  # else no cluster can be worth a helper
             keys = {record: _early_key(record) for record in tape.sizes}
             totals: dict[tuple, int] = {}
             for record, key in keys.items():
                 totals[key] = totals.get(key, 0) + tape.sizes[record]
-            self.cluster = {record: key for record, key in keys.items() if totals[key] >= SPREAD_MIN_ELEMENTS}
+            self.cluster = {record: key for record, key in keys.items() if totals[key] >= EARLY_MIN_ELEMENTS}
         self.members: dict[tuple, list[Record]] = {}
         for record, key in self.cluster.items():
             self.members.setdefault(key, []).append(record)
@@ -538,7 +539,7 @@ class _EarlyGroups:
         task = functools.partial(_computed, self.engine, members, self.batch, members[0].inputs[0].device)
         self.handed.append(noise_pool(idle_cores()).submit(_in_ieee_float32, task))
 
-    def results(self) -> list[tuple[Norms, list[tuple[int, per_sample.Sum]]]]:
+    def results(self) -> list[tuple[Norms, list[per_sample.Work]]]:
         """Each handed cluster's norms and sums, in the order they were handed over (waits for them)."""
         return [future.result() for future in self.handed]
 
@@ -625,9 +626,8 @@ def _add_microbatch(engine: DPEngine, loss_fn: LossFn, inputs: Inputs, real: int
 
 
 def _group_norms(engine: DPEngine, tape: _Tape, early: "_EarlyGroups | None", plain: Any,
-                 norms: Norms) -> list[tuple[int, per_sample.Sum]]:
-    """Every layer's and plain parameter's norms added to ``norms``, layers of one shape together; their sums, each
-    with the number of elements its group computes with."""
+                 norms: Norms) -> list[per_sample.Work]:
+    """Every layer's and plain parameter's norms added to ``norms``, layers of one shape together; their sums."""
     taken = early.taken if early is not None else set()
     records = [record for record in tape.records.values() if record not in taken]
     work, sums = _layer_tasks(engine, records, norms)
@@ -638,36 +638,35 @@ def _group_norms(engine: DPEngine, tape: _Tape, early: "_EarlyGroups | None", pl
     for early_norms, early_sums in early.results() if early is not None else []:
         norms.merge(early_norms)
         sums += early_sums
-    sums += _merged(norms, computed, weights)
+    sums += _merged(norms, computed)
     norms.fold_squares()
     return sums
 
 
-def _merged(norms: Norms, computed: list[tuple[Norms, list[per_sample.Sum]]],
-            weights: list[int]) -> list[tuple[int, per_sample.Sum]]:
-    """Each computed group's norms merged into ``norms``; their sums, each with its group's weight."""
+def _merged(norms: Norms, computed: list[tuple[Norms, list[per_sample.Work]]]) -> list[per_sample.Work]:
+    """Each computed group's norms merged into ``norms``; their sums."""
     sums = []
-    for (group_norms, group_sums), weight in zip(computed, weights):
+    for group_norms, group_sums in computed:
         norms.merge(group_norms)
-        sums += [(weight, add) for add in group_sums]
+        sums += group_sums
     return sums
 
 
 def _computed(engine: DPEngine, records: list[Record], batch: int,
-              device: torch.device) -> tuple[Norms, list[tuple[int, per_sample.Sum]]]:
+              device: torch.device) -> tuple[Norms, list[per_sample.Work]]:
     """The norms (an accumulator of their own) and sums of ``records``' layers, all on this thread."""
     norms = Norms(batch, device)
     work, sums = _layer_tasks(engine, records, norms)
-    return norms, sums + _merged(norms, [task() for _, task in work], [weight for weight, _ in work])
+    return norms, sums + _merged(norms, [task() for _, task in work])
 
 
 def _layer_tasks(engine: DPEngine, records: list[Record],
-                 norms: Norms) -> tuple[list[tuple[int, Callable[[], Any]]], list[tuple[int, per_sample.Sum]]]:
-    """``records``' layers grouped by shape: each group's task with the number of elements it computes with, and
-    the embeddings' sums (their norms added to ``norms`` at once)."""
+                 norms: Norms) -> tuple[list[tuple[int, Callable[[], Any]]], list[per_sample.Work]]:
+    """``records``' layers grouped by shape: each group's task with the multiply-adds of its norms, and the
+    embeddings' sums (their norms added to ``norms`` at once)."""
     add_rows = engine.buffer.add_rows
     groups: dict[tuple, tuple[list[Layer], list[torch.Tensor], list[torch.Tensor]]] = {}
-    sums: list[tuple[int, per_sample.Sum]] = []
+    sums: list[per_sample.Work] = []
     for record in records:
         _check_unchanged(record)
         calls = [(x, g) for x, g in zip(record.inputs, record.grads) if g is not None]
@@ -676,8 +675,7 @@ def _layer_tasks(engine: DPEngine, records: list[Record],
             continue  # not reached by the loss: its per-sample gradients are 0
         layer = record.layer
         if layer.kind == "embedding":
-            sums += [(0, add) for add in per_sample.embedding(layer, [x for x, _ in calls], [g for _, g in calls],
-                                                             norms, add_rows)]
+            sums += per_sample.embedding(layer, [x for x, _ in calls], [g for _, g in calls], norms, add_rows)
             continue
         if layer.kind == "matmul":
             numbers = engine.device_numerics(calls[0][0].device)
@@ -692,10 +690,16 @@ def _layer_tasks(engine: DPEngine, records: list[Record],
         members = groups.setdefault(key, ([], [], []))
         for target, value in zip(members, (layer, first, second)):
             target.append(value)
-    work = [(sum(t.numel() for t in (*firsts, *seconds)),
-             functools.partial(_group, engine, key, layers, firsts, seconds, add_rows))
+    work = [(_norms_work(key, firsts, seconds), functools.partial(_group, engine, key, layers, firsts, seconds, add_rows))
             for key, (layers, firsts, seconds) in groups.items()]
     return work, sums
+
+
+def _norms_work(key: tuple, firsts: list[torch.Tensor], seconds: list[torch.Tensor]) -> int:
+    """The multiply-adds of a group's norms (a LayerNorm's few operations an element counted as one)."""
+    if key[0] == "matmul":
+        return per_sample.matmul_norms_work(firsts, seconds)
+    return sum(t.numel() for t in (*firsts, *seconds))
 
 
 def _check_unchanged(record: Record) -> None:
@@ -717,7 +721,8 @@ def _group(engine: DPEngine, key: tuple, layers: list[Layer], firsts: list[torch
     return norms, per_sample.layer_norm_group(layers, firsts, seconds, norms, add_rows)
 
 
-def _plain(param: nn.Parameter, grads: torch.Tensor, add_rows: per_sample.AddRows) -> tuple[Norms, list]:
+def _plain(param: nn.Parameter, grads: torch.Tensor,
+           add_rows: per_sample.AddRows) -> tuple[Norms, list[per_sample.Work]]:
     """A plain parameter's norms and sum, from its stand-in's gradient ``[B, *shape[1:]]``."""
     norms = Norms(grads.shape[0], grads.device)
     values = grads.float().reshape(1, grads.shape[0], -1)  # values: [1, B, numel]
@@ -725,16 +730,39 @@ def _plain(param: nn.Parameter, grads: torch.Tensor, add_rows: per_sample.AddRow
 
 
 def _spread(work: list[Callable[[], Any]], weights: list[int], device: torch.device) -> list[Any]:
-    """``[task() for task in work]``, in order; where :func:`_helpers_have_cores`, every other task of at least
-    ``SPREAD_MIN_ELEMENTS`` (its weight) on a helper thread (the groups are independent: their sums write other rows
-    of the buffer; a small one costs more to hand over than to compute)."""
-    heavy = [index for index, weight in enumerate(weights) if weight >= SPREAD_MIN_ELEMENTS]
-    if not _helpers_have_cores(device) or len(heavy) < 2:
+    """``[task() for task in work]``, in order; where :func:`_helpers_have_cores`, shared by :func:`_shares` between
+    the step's own thread and helper threads (the groups are independent: their sums write other rows of the
+    buffer, and the results come back in order)."""
+    if not _helpers_have_cores(device):
         return [task() for task in work]
+    shares = _shares(weights, idle_cores() // torch.get_num_threads())
     pool = noise_pool(idle_cores())
-    handed = {index: pool.submit(_in_ieee_float32, work[index]) for index in heavy[1::2]}
-    done = {index: task() for index, task in enumerate(work) if index not in handed}
-    return [handed[index].result() if index in handed else done[index] for index in range(len(work))]
+    handed = [pool.submit(_in_ieee_float32, functools.partial(_each, [work[index] for index in share]))
+              for share in shares]
+    others = {index for share in shares for index in share}
+    done = {index: task() for index, task in enumerate(work) if index not in others}
+    for share, future in zip(shares, handed):
+        done.update(zip(share, future.result()))
+    return [done[index] for index in range(len(work))]
+
+
+def _shares(weights: list[int], helpers: int) -> list[list[int]]:
+    """The tasks (indices) each of up to ``helpers`` helper threads takes: those of at least ``SPREAD_MIN_WORK``
+    multiply-adds (their weights), largest first, each to the thread with the least work so far; the step's own
+    thread keeps every smaller task (one costs more to hand over than to compute)."""
+    loads = [sum(weight for weight in weights if weight < SPREAD_MIN_WORK)] + [0] * helpers
+    shares: list[list[int]] = [[] for _ in loads]
+    for index in sorted(range(len(weights)), key=lambda index: -weights[index]):
+        if weights[index] < SPREAD_MIN_WORK:
+            break
+        least = loads.index(min(loads))
+        shares[least].append(index)
+        loads[least] += weights[index]
+    return [sorted(share) for share in shares[1:] if share]
+
+
+def _each(tasks: list[Callable[[], Any]]) -> list[Any]:
+    return [task() for task in tasks]
 
 
 def _in_ieee_float32(task: Callable[[], Any]) -> Any:

@@ -6,7 +6,8 @@ only, and keeps, for every call of a supported layer, its input ``A`` and output
 group, stacked once: each group adds its samples' squared norms to a :class:`Norms` (ghost norms with their error
 bounds; materialised gradients' squares, bounded once all are in), ``[B]`` per quantity, one set of operations per
 group instead of one per layer, and returns a
-:class:`Sum`, which adds ``Σᵢ fᵢ·gᵢ`` to the gradient buffer once the clip factors ``f`` are known.
+:class:`Sum`, which adds ``Σᵢ fᵢ·gᵢ`` to the gradient buffer once the clip factors ``f`` are known, with the
+multiply-adds it costs (:data:`Work`: how the engine shares the sums between threads).
 
 Linear and Conv2d weights choose by book-keeping (Bu et al., 2023) between the ghost norm
 ``Σ_{t,s} (aₜ·aₛ)(gₜ·gₛ)`` with a clipped sum ``Σᵢ Gᵢᵀ (fᵢ·Aᵢ)`` (one matmul for the group), and materialised
@@ -103,13 +104,14 @@ class Norms:
 
 # sum(factors [B] float32, 0 for a sample not kept; sanitize: whether a sample was not finite): adds Σᵢ fᵢ·gᵢ
 Sum = Callable[[torch.Tensor, bool], None]
+Work = tuple[int, Sum]  # a sum and the multiply-adds it costs
 AddRows = Callable[[list[nn.Parameter], torch.Tensor], None]  # add_rows(params, values [L, n]) into their sums
 
 
-def piece(params: list[nn.Parameter], values: torch.Tensor, norms: Norms, add_rows: AddRows) -> Sum:
+def piece(params: list[nn.Parameter], values: torch.Tensor, norms: Norms, add_rows: AddRows) -> Work:
     """Materialised per-sample gradients ``values`` ``[L, B, n]`` float32 of ``params`` (one per leading row):
     their squares summed in float64 into ``norms``; the returned sum adds ``Σᵢ fᵢ·valuesᵢ`` (one batched matvec, the
-    non-finite entries of samples not kept, whose factor is 0, cleared first)."""
+    non-finite entries of samples not kept, whose factor is 0, cleared first), with its multiply-adds."""
     layers, batch, width = values.shape
     norms.add_squares(torch.sum(values * values, dim=(0, 2), dtype=torch.float64), layers * width)
 
@@ -117,7 +119,7 @@ def piece(params: list[nn.Parameter], values: torch.Tensor, norms: Norms, add_ro
         kept = _cleared(values, sanitize)  # kept: [L, B, n]
         add_rows(params, torch.bmm(factors.expand(layers, 1, batch), kept).squeeze(1))  # [L, n]
 
-    return add
+    return values.numel(), add
 
 
 # ------------------------------------------------------------------------------------------------ Linear, Conv2d
@@ -169,7 +171,7 @@ def matmul_key(layer: Layer, acts: torch.Tensor, grads: torch.Tensor) -> tuple:
 
 
 def matmul_group(layers: list[Layer], acts: list[torch.Tensor], grads: list[torch.Tensor], numbers: Numerics,
-                 norms: Norms, add_rows: AddRows) -> list[Sum]:
+                 norms: Norms, add_rows: AddRows) -> list[Work]:
     """The norms of ``L`` layers of one shape (``acts [B, g, T, d_in]`` and ``grads [B, g, T, d_out]`` each, in the
     dtype they are multiplied in), and their sums: the bias pieces, then the weights' (ghost or materialised)."""
     owned = len(layers) > 1  # a stack is the group's own copy, scaled in place; a single layer's tensors are not
@@ -212,8 +214,17 @@ def matmul_group(layers: list[Layer], acts: list[torch.Tensor], grads: list[torc
         total = numbers.bmm(grads_sum.transpose(1, 2), acts_sum)  # total: [L*g, d_out, d_in]
         add_rows(weights, total.view(count, -1))
 
-    sums.append(add)
+    sums.append((count * groups * batch * tokens * d_in * d_out, add))
     return sums
+
+
+def matmul_norms_work(acts: list[torch.Tensor], grads: list[torch.Tensor]) -> int:
+    """The multiply-adds of :func:`matmul_group`'s norms for these calls (``[B, g, T, d_in]`` and ``[B, g, T, d_out]``
+    each): the Gram matrices, or the materialised gradients where they cost less."""
+    batch, groups, tokens, d_in = acts[0].shape
+    d_out = grads[0].shape[3]
+    per_token = d_in * d_out if materialise_is_cheaper(tokens, d_in, d_out) else tokens * (d_in + d_out)
+    return len(acts) * batch * groups * tokens * per_token
 
 
 def _stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -263,7 +274,7 @@ def layer_norm_tokens(layer: Layer, inputs: torch.Tensor, grads: torch.Tensor) -
 
 
 def layer_norm_group(layers: list[Layer], inputs: list[torch.Tensor], grads: list[torch.Tensor], norms: Norms,
-                     add_rows: AddRows) -> list[Sum]:
+                     add_rows: AddRows) -> list[Work]:
     """LayerNorms of one shape: weight gradient ``Σₜ G ⊙ x̂`` and bias gradient ``Σₜ G`` per sample, with ``x̂`` the
     input normalised again (so the norm is taken of the very tensor that is summed)."""
     inputs_all, grads_all = _stacked(inputs), _stacked(grads)  # [L, B, T, D] each
@@ -281,7 +292,7 @@ def layer_norm_group(layers: list[Layer], inputs: list[torch.Tensor], grads: lis
 
 
 def embedding(layer: Layer, indices: list[torch.Tensor], grads: list[torch.Tensor], norms: Norms,
-              add_rows: AddRows) -> list[Sum]:
+              add_rows: AddRows) -> list[Work]:
     """``nn.Embedding``: the per-sample gradient scatters ``G`` rows to the looked-up indices; its squared norm is
     ``Σ_{t,s} [idx_t = idx_s] G_t·G_s``, and the clipped sum one ``index_add`` in float64 (a sample's many tokens on
     one row, summed in float32, could lose more than the norm's bound allows)."""
@@ -303,4 +314,4 @@ def embedding(layer: Layer, indices: list[torch.Tensor], grads: list[torch.Tenso
         total.index_add_(0, index.reshape(-1), scaled.reshape(-1, rows.shape[2]))  # [num_embeddings, D]
         add_rows([layer.weight], total.view(1, -1).float())
 
-    return [add]
+    return [(rows.numel(), add)]

@@ -258,7 +258,7 @@ def test_padded_rows_are_exactly_zero_in_every_norm_and_factor(monkeypatch):
 
 
 def test_groups_spread_over_idle_cores_give_bit_identical_gradients(monkeypatch):
-    """On a CPU whose torch threads leave a core idle, every other group's norms and sums run on a helper thread: the
+    """On a CPU whose torch threads leave a core idle, groups' norms and sums are shared with a helper thread: the
     same values, since the groups are independent and their norms are added in order."""
     torch.manual_seed(0)
     model, inputs = MixedNet(), torch.randn(5, 3, 8, 8)
@@ -269,7 +269,8 @@ def test_groups_spread_over_idle_cores_give_bit_identical_gradients(monkeypatch)
         torch.set_num_threads(1)
         for idle in (0, 1):
             monkeypatch.setattr(engine, "idle_cores", lambda idle=idle: idle)
-            monkeypatch.setattr(engine, "SPREAD_MIN_ELEMENTS", 0)
+            monkeypatch.setattr(engine, "SPREAD_MIN_WORK", 0)
+            monkeypatch.setattr(engine, "EARLY_MIN_ELEMENTS", 0)
             runs.append(engine_grads(model, lambda m, x: m(x).sum(-1), inputs, 0.5, physical=2))
     finally:
         torch.set_num_threads(previous)
@@ -280,7 +281,8 @@ def test_a_step_that_hands_layers_over_during_the_backward_lets_its_graph_and_in
     """The hand-over listens on the autograd graph's nodes: the step must not keep them (and the activations they
     hold) alive once it is done, or every step would leak its graph."""
     monkeypatch.setattr(engine, "idle_cores", lambda: torch.get_num_threads())
-    monkeypatch.setattr(engine, "SPREAD_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(engine, "SPREAD_MIN_WORK", 0)
+    monkeypatch.setattr(engine, "EARLY_MIN_ELEMENTS", 0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
     inputs = torch.randn(3, 4)
     kept = weakref.ref(inputs)  # the first Linear's backward node holds it for its weight gradient
@@ -309,7 +311,8 @@ def test_layers_handed_to_an_idle_core_during_the_backward_give_the_exact_clippe
     computed = engine._computed
     monkeypatch.setattr(engine, "_computed", spied)
     monkeypatch.setattr(engine, "idle_cores", lambda: torch.get_num_threads())
-    monkeypatch.setattr(engine, "SPREAD_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(engine, "SPREAD_MIN_WORK", 0)
+    monkeypatch.setattr(engine, "EARLY_MIN_ELEMENTS", 0)
     assert_matches_reference(model, loss_fn, inputs, max_grad_norm=0.05, physical=3)
     assert handed and all(handed)
 
@@ -1632,7 +1635,8 @@ def test_a_tensor_hook_of_the_users_on_a_layer_output_is_in_the_gradient_clipped
     """The weight gradient autograd would compute sees the hook's scaling, so the clipped one must too."""
     if helpers:
         monkeypatch.setattr(engine, "idle_cores", lambda: torch.get_num_threads())
-        monkeypatch.setattr(engine, "SPREAD_MIN_ELEMENTS", 0)
+        monkeypatch.setattr(engine, "SPREAD_MIN_WORK", 0)
+        monkeypatch.setattr(engine, "EARLY_MIN_ELEMENTS", 0)
     torch.manual_seed(0)
     assert_matches_reference(ScalesAGradient(), lambda m, x: m(x).square().sum(-1), torch.randn(5, 4), 10.0)
 
@@ -1672,7 +1676,8 @@ def test_a_gradient_written_into_after_its_layer_was_handed_to_a_helper_leaves_t
     """The helper computes a layer's norm and its sum from copies taken when the layer is handed over: a later write
     into the gradient cannot make them disagree (the norm of one value, the sum of another)."""
     monkeypatch.setattr(engine, "idle_cores", lambda: torch.get_num_threads())
-    monkeypatch.setattr(engine, "SPREAD_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(engine, "SPREAD_MIN_WORK", 0)
+    monkeypatch.setattr(engine, "EARLY_MIN_ELEMENTS", 0)
     torch.manual_seed(0)
     inputs = torch.randn(*shape)
     inputs[2] *= 100.0
@@ -1695,10 +1700,38 @@ def test_a_model_that_keeps_an_output_with_its_graph_is_freed_once_dropped(monke
     """The graph the model keeps must not hold the engine's listeners, which hold the engine and the model."""
     if helpers:
         monkeypatch.setattr(engine, "idle_cores", lambda: torch.get_num_threads())
-        monkeypatch.setattr(engine, "SPREAD_MIN_ELEMENTS", 0)
+        monkeypatch.setattr(engine, "SPREAD_MIN_WORK", 0)
+        monkeypatch.setattr(engine, "EARLY_MIN_ELEMENTS", 0)
     model = KeepsItsLastOutput()
     engine_grads(model, lambda m, x: m(x), torch.randn(3, 4), 1.0)
     kept = weakref.ref(model)
     del model
     gc.collect()
     assert kept() is None
+
+
+def test_the_groups_work_is_shared_evenly_between_the_steps_thread_and_its_helper(monkeypatch):
+    """A ViT's groups each give a small bias sum and a large weight sum: the helper must take about half of the
+    work, not every weight sum (which left the step's own thread idle while the helper did the clipped sums)."""
+    shared = []
+
+    def spied(weights, helpers):
+        shares = split(weights, helpers)
+        shared.append((weights, shares))
+        return shares
+
+    split = engine._shares
+    monkeypatch.setattr(engine, "_shares", spied)
+    monkeypatch.setattr(engine, "idle_cores", lambda: torch.get_num_threads())
+    monkeypatch.setattr(engine, "SPREAD_MIN_WORK", 1 << 12)
+    torch.manual_seed(0)
+    vit = VisionTransformer(img_size=16, patch_size=4, embed_dim=32, depth=3, num_heads=4, num_classes=3)
+    assert_matches_reference(vit, classification_loss, vit_inputs(5), max_grad_norm=0.05)
+    assert len(shared) == 2  # the norms, then the clipped sums
+    for weights, shares in shared:
+        handed = {index for share in shares for index in share}
+        heavy = [weight for weight in weights if weight >= engine.SPREAD_MIN_WORK]
+        helper = sum(weights[index] for index in handed)
+        own = sum(weights) - helper
+        assert len(heavy) >= 4 and shares
+        assert abs(own - helper) <= max(heavy)  # largest first, each to the thread with less work
