@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
@@ -740,7 +740,10 @@ def _spread(work: list[Callable[[], Any]], weights: list[int], device: torch.dev
     handed = [pool.submit(_in_ieee_float32, functools.partial(_each, [work[index] for index in share]))
               for share in shares]
     others = {index for share in shares for index in share}
-    done = {index: task() for index, task in enumerate(work) if index not in others}
+    try:
+        done = {index: task() for index, task in enumerate(work) if index not in others}
+    finally:
+        wait(handed)  # a helper's sum left running after a failure would add into a later step's buffer
     for share, future in zip(shares, handed):
         done.update(zip(share, future.result()))
     return [done[index] for index in range(len(work))]

@@ -1735,3 +1735,22 @@ def test_the_groups_work_is_shared_evenly_between_the_steps_thread_and_its_helpe
         own = sum(weights) - helper
         assert len(heavy) >= 4 and shares
         assert abs(own - helper) <= max(heavy)  # largest first, each to the thread with less work
+
+
+def test_a_step_that_fails_on_its_own_thread_waits_for_its_helpers_before_it_raises(monkeypatch):
+    """A clipped sum still running on a helper after the step failed (out of memory, a Ctrl-C) would add a sample of
+    the batch given up into the buffer of the next step, whose noise is sized for its own batch only."""
+    monkeypatch.setattr(engine, "idle_cores", lambda: torch.get_num_threads())
+    finished = []
+
+    def slow() -> None:
+        time.sleep(0.3)
+        finished.append(True)
+
+    def fails() -> None:
+        raise RuntimeError("out of memory")
+
+    work = engine.SPREAD_MIN_WORK
+    with pytest.raises(RuntimeError, match="out of memory"):
+        engine._spread([slow, fails], [work, 2 * work], torch.device("cpu"))  # the larger stays on this thread
+    assert finished == [True]
