@@ -18,9 +18,9 @@ for the output gradient ``G``. Layers of one shape are then computed together (:
 per-sample squared norms with their rounding bounds, clip factors under the error model of
 :mod:`vip_core.privacy.numerics`, and the clipped sums, added into the noise already drawn in a flat buffer
 (:mod:`vip_core.privacy.buffer`). Plain parameters of shape ``[1, ...]`` (cls/mask tokens, learnt position
-embeddings) are replaced during the forward by a per-sample stand-in ``[B, ...]`` whose gradient is per sample. Each microbatch is padded to the physical batch size with copies of its first sample
-whose losses are weighted 0 (their gradients are exactly 0, and their clip factors 0), so that every microbatch has
-the same shapes.
+embeddings) are replaced during the forward by a per-sample stand-in ``[B, ...]`` whose gradient is per sample. Each
+microbatch is padded to the physical batch size with copies of its first sample whose losses are weighted 0 (their
+gradients are exactly 0, and their clip factors 0), so that every microbatch has the same shapes.
 
 What is refused, once, with an error naming the layer (:func:`plan_model`, :mod:`vip_core.privacy.layout`): a
 trainable parameter of any other layer type, a plain parameter whose leading dimension is not 1, batch
@@ -138,6 +138,7 @@ class DPEngine:
         self.numerics: dict[torch.device, Numerics] = {}
         self.current: ClippedGradientSum | None = None
         self.masks: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+        self.helper_tasks: list[Future] = []  # the latest shared work's helper tasks (see :func:`_spread`)
         self._plan()
 
     def _plan(self) -> None:
@@ -153,6 +154,7 @@ class DPEngine:
     def clipped_sum(self, *, noise_multiplier: float = 0.0, noise: RandomStream | None = None) -> ClippedGradientSum:
         """A new logical batch's sum, its noise drawn into the buffer (a sum not privatized yet is given up). A model
         whose parameters were frozen or unfrozen since it was planned is planned again."""
+        wait(self.helper_tasks)  # a failed step's own wait for them may have been cut short (a second Ctrl-C)
         if self.guard.moved():
             self._plan()  # a module or parameter replaced, frozen, unfrozen, or moved since
         for name, module in self.plan.batch_norms:
@@ -616,7 +618,8 @@ def _add_microbatch(engine: DPEngine, loss_fn: LossFn, inputs: Inputs, real: int
         if not apart:
             with record_function("vip.clipped_sum"):
                 total.noise.wait()
-                _spread([functools.partial(add, factors, sanitize) for _, add in sums], [w for w, _ in sums], device)
+                _spread([functools.partial(add, factors, sanitize) for _, add in sums], [w for w, _ in sums], device,
+                        engine.helper_tasks)
     if apart:
         del sums  # this microbatch's stacks, none of them added
         for sample in range(real):
@@ -634,7 +637,7 @@ def _group_norms(engine: DPEngine, tape: _Tape, early: "_EarlyGroups | None", pl
     plain = [(param, grads) for (_, param), grads in plain if grads is not None]
     work += [(grads.numel(), functools.partial(_plain, param, grads, engine.buffer.add_rows)) for param, grads in plain]
     weights = [weight for weight, _ in work]
-    computed = _spread([task for _, task in work], weights, norms.values.device)
+    computed = _spread([task for _, task in work], weights, norms.values.device, engine.helper_tasks)
     for early_norms, early_sums in early.results() if early is not None else []:
         norms.merge(early_norms)
         sums += early_sums
@@ -690,7 +693,8 @@ def _layer_tasks(engine: DPEngine, records: list[Record],
         members = groups.setdefault(key, ([], [], []))
         for target, value in zip(members, (layer, first, second)):
             target.append(value)
-    work = [(_norms_work(key, firsts, seconds), functools.partial(_group, engine, key, layers, firsts, seconds, add_rows))
+    work = [(_norms_work(key, firsts, seconds),
+             functools.partial(_group, engine, key, layers, firsts, seconds, add_rows))
             for key, (layers, firsts, seconds) in groups.items()]
     return work, sums
 
@@ -729,22 +733,26 @@ def _plain(param: nn.Parameter, grads: torch.Tensor,
     return norms, [per_sample.piece([param], values, norms, add_rows)]
 
 
-def _spread(work: list[Callable[[], Any]], weights: list[int], device: torch.device) -> list[Any]:
+def _spread(work: list[Callable[[], Any]], weights: list[int], device: torch.device,
+            helper_tasks: list[Future]) -> list[Any]:
     """``[task() for task in work]``, in order; where :func:`_helpers_have_cores`, shared by :func:`_shares` between
     the step's own thread and helper threads (the groups are independent: their sums write other rows of the
-    buffer, and the results come back in order)."""
+    buffer, and the results come back in order). The helpers' tasks are put in ``helper_tasks`` (the engine's),
+    which the next sum waits for too: a Ctrl-C can cut this call's own wait short."""
     if not _helpers_have_cores(device):
         return [task() for task in work]
     shares = _shares(weights, idle_cores() // torch.get_num_threads())
     pool = noise_pool(idle_cores())
-    handed = [pool.submit(_in_ieee_float32, functools.partial(_each, [work[index] for index in share]))
-              for share in shares]
+    wait(helper_tasks)
+    helper_tasks.clear()
+    for share in shares:
+        helper_tasks.append(pool.submit(_in_ieee_float32, functools.partial(_each, [work[index] for index in share])))
     others = {index for share in shares for index in share}
     try:
         done = {index: task() for index, task in enumerate(work) if index not in others}
     finally:
-        wait(handed)  # a helper's sum left running after a failure would add into a later step's buffer
-    for share, future in zip(shares, handed):
+        wait(helper_tasks)  # a helper's sum left running after a failure would add into a later step's buffer
+    for share, future in zip(shares, helper_tasks):
         done.update(zip(share, future.result()))
     return [done[index] for index in range(len(work))]
 

@@ -1752,5 +1752,30 @@ def test_a_step_that_fails_on_its_own_thread_waits_for_its_helpers_before_it_rai
 
     work = engine.SPREAD_MIN_WORK
     with pytest.raises(RuntimeError, match="out of memory"):
-        engine._spread([slow, fails], [work, 2 * work], torch.device("cpu"))  # the larger stays on this thread
+        engine._spread([slow, fails], [work, 2 * work], torch.device("cpu"), [])  # the larger stays on this thread
+    assert finished == [True]
+
+
+def test_a_new_sum_waits_for_the_helpers_that_a_ctrl_c_left_running(monkeypatch):
+    """A second Ctrl-C can cut short the failed step's own wait for its helpers: the next sum must not draw its noise
+    into the buffer while one of them may still add the failed step's samples to it."""
+    monkeypatch.setattr(engine, "idle_cores", lambda: torch.get_num_threads())
+    finished = []
+
+    def slow() -> None:
+        time.sleep(0.3)
+        finished.append(True)
+
+    def interrupted(futures) -> None:
+        if futures:
+            raise KeyboardInterrupt
+
+    dp = DPEngine(nn.Linear(4, 2), max_grad_norm=1.0)
+    work = engine.SPREAD_MIN_WORK
+    with monkeypatch.context() as patch:
+        patch.setattr(engine, "wait", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            engine._spread([slow, lambda: None], [work, 2 * work], torch.device("cpu"), dp.helper_tasks)
+    assert finished == []
+    dp.clipped_sum()
     assert finished == [True]
