@@ -138,7 +138,6 @@ class DPEngine:
         self.numerics: dict[torch.device, Numerics] = {}
         self.current: ClippedGradientSum | None = None
         self.masks: dict[tuple[int, int, torch.device], torch.Tensor] = {}
-        self.helper_tasks: list[Future] = []  # the latest shared work's helper tasks (see :func:`_spread`)
         self._plan()
 
     def _plan(self) -> None:
@@ -154,7 +153,6 @@ class DPEngine:
     def clipped_sum(self, *, noise_multiplier: float = 0.0, noise: RandomStream | None = None) -> ClippedGradientSum:
         """A new logical batch's sum, its noise drawn into the buffer (a sum not privatized yet is given up). A model
         whose parameters were frozen or unfrozen since it was planned is planned again."""
-        wait(self.helper_tasks)  # a failed step's own wait for them may have been cut short (a second Ctrl-C)
         if self.guard.moved():
             self._plan()  # a module or parameter replaced, frozen, unfrozen, or moved since
         for name, module in self.plan.batch_norms:
@@ -178,6 +176,9 @@ class DPEngine:
         return self.masks[key]
 
 
+_FAILED = "failed part-way: its sums hold part of a batch, so it cannot go on"
+
+
 class ClippedGradientSum:
     """The running sum Σᵢ clip(gᵢ, C) over any number of microbatches of one logical batch, plus the noise once
     (:meth:`DPEngine.clipped_sum` makes one). After :meth:`privatize`, or after a call that failed part-way, it
@@ -188,22 +189,26 @@ class ClippedGradientSum:
         if noise_multiplier > 0 and noise is None:
             raise ValueError("noise_multiplier > 0 needs a noise stream (a RandomStream), never a default generator")
         self.engine = engine
+        self.buffer = engine.buffer  # this sum's, also where the engine plans the model again and makes another
         for param in engine.plan.frozen:
             param.grad = None  # a frozen parameter's stale gradient would be applied by the optimiser
         draw = GaussianDraw(noise, noise_multiplier * engine.max_grad_norm) if noise_multiplier > 0 else None
-        self.noise = StepNoise(engine.buffer, draw)
+        self.noise = StepNoise(self.buffer, draw)
         self.totals = _Totals()
         self.closed: str | None = None
+        self.adding = False  # True while add() runs, and after an add() that did not return
 
     def add(self, loss_fn: LossFn, inputs: Inputs, *, physical_batch_size: int | None = None) -> None:
         """Adds the clipped per-sample gradients of ``inputs``, in microbatches of ``physical_batch_size`` (each
         padded to that size)."""
         self._check_open()
         _check_arguments(self.engine.max_grad_norm, 0.0, 1.0, physical_batch_size)
+        self.adding = True  # a call that fails refuses the sum even where a second Ctrl-C stops it closing
         with self._closed_on_error():
             for chunk, real in padded_microbatches(inputs, physical_batch_size):
                 _add_microbatch(self.engine, loss_fn, chunk, real, self)
             self.engine.guard.check_structure()
+        self.adding = False
 
     def privatize(self, *, expected_batch_size: float,
                   all_reduce: Callable[[torch.Tensor], None] | None = None) -> StepStats:
@@ -220,24 +225,34 @@ class ClippedGradientSum:
         self._check_open()
         self.close("was privatized already: its noise is spent, so it cannot sum or privatize another batch")
         self.noise.wait()
-        self.engine.buffer.set_gradients(expected_batch_size, all_reduce)
+        self.buffer.set_gradients(expected_batch_size, all_reduce)
         return self.totals.stats()
 
     def close(self, reason: str) -> None:
-        self.closed = reason
+        with self.buffer.lock:  # once set, a helper's sum still running adds nothing (see add_rows)
+            self.closed = reason
         if self.engine.current is self:
             self.engine.current = None
 
+    def add_rows(self, params: list[nn.Parameter], values: torch.Tensor) -> None:
+        """:meth:`GradientBuffer.add_rows`, while this sum is open: a helper's sum left running by a step that failed
+        (a Ctrl-C can come anywhere, a wait for the helpers included) must not add into the buffer once it holds
+        another sum's noise."""
+        with self.buffer.lock:
+            if self.closed is None:
+                self.buffer.add_rows(params, values)
+
     def _check_open(self) -> None:
-        if self.closed is not None:
-            raise RuntimeError(f"this ClippedGradientSum {self.closed}; create one per logical batch")
+        reason = self.closed or (_FAILED if self.adding else None)
+        if reason is not None:
+            raise RuntimeError(f"this ClippedGradientSum {reason}; create one per logical batch")
 
     @contextlib.contextmanager
     def _closed_on_error(self) -> Iterator[None]:
         try:
             yield
         except BaseException:
-            self.close("failed part-way: its sums hold part of a batch, so it cannot go on")
+            self.close(_FAILED)
             self.noise.stop()
             raise
 
@@ -510,8 +525,8 @@ class _EarlyGroups:
     the step's own thread would. Clusters too small to be worth a helper (by the sizes the forward kept) stay with
     the step's thread, and are not followed through the backward."""
 
-    def __init__(self, engine: "DPEngine", tape: _Tape, batch: int) -> None:
-        self.engine, self.batch = engine, batch
+    def __init__(self, engine: "DPEngine", tape: _Tape, batch: int, add_rows: per_sample.AddRows) -> None:
+        self.engine, self.batch, self.add_rows = engine, batch, add_rows
         self.cluster: dict[Record, tuple] = {}
         if sum(tape.sizes.values()) >= EARLY_MIN_ELEMENTS:  # else no cluster can be worth a helper
             keys = {record: _early_key(record) for record in tape.sizes}
@@ -538,7 +553,8 @@ class _EarlyGroups:
         for record in members:
             _own_copies(record)
         self.taken.update(members)
-        task = functools.partial(_computed, self.engine, members, self.batch, members[0].inputs[0].device)
+        task = functools.partial(_computed, self.engine, members, self.batch, members[0].inputs[0].device,
+                                 self.add_rows)
         self.handed.append(noise_pool(idle_cores()).submit(_in_ieee_float32, task))
 
     def results(self) -> list[tuple[Norms, list[per_sample.Work]]]:
@@ -600,7 +616,7 @@ def _add_microbatch(engine: DPEngine, loss_fn: LossFn, inputs: Inputs, real: int
         # the helper's IEEE float32 settings are the process's: only where they are so already may it run beside
         # the backward, whose precision is the user's
         if _helpers_have_cores(device) and numerics.cpu_float32_is_ieee():
-            early = _EarlyGroups(engine, tape, batch)
+            early = _EarlyGroups(engine, tape, batch, total.add_rows)
             early = early if early.cluster else None
         with record_function("vip.backward"):
             weighted = losses.sum() if real == batch else torch.where(realness, losses, 0.0).sum()
@@ -609,7 +625,7 @@ def _add_microbatch(engine: DPEngine, loss_fn: LossFn, inputs: Inputs, real: int
     with numerics.ieee_float32():
         norms = Norms(batch, device)
         with record_function("vip.norms"):
-            sums = _group_norms(engine, tape, early, zip(plan.plain, plain_grads), norms)
+            sums = _group_norms(engine, tape, early, zip(plan.plain, plain_grads), norms, total.add_rows)
             factors, non_finite = numerics.clip_factors(norms.values, engine.max_grad_norm, realness)
             # clearing non-finite entries is a pass over every operand: a CPU reads the flag for free, a GPU would
             # wait for it, so it always clears
@@ -618,8 +634,7 @@ def _add_microbatch(engine: DPEngine, loss_fn: LossFn, inputs: Inputs, real: int
         if not apart:
             with record_function("vip.clipped_sum"):
                 total.noise.wait()
-                _spread([functools.partial(add, factors, sanitize) for _, add in sums], [w for w, _ in sums], device,
-                        engine.helper_tasks)
+                _spread([functools.partial(add, factors, sanitize) for _, add in sums], [w for w, _ in sums], device)
     if apart:
         del sums  # this microbatch's stacks, none of them added
         for sample in range(real):
@@ -628,16 +643,17 @@ def _add_microbatch(engine: DPEngine, loss_fn: LossFn, inputs: Inputs, real: int
     total.totals.add(real, losses, factors, realness, norms.values[0], engine.max_grad_norm)
 
 
-def _group_norms(engine: DPEngine, tape: _Tape, early: "_EarlyGroups | None", plain: Any,
-                 norms: Norms) -> list[per_sample.Work]:
-    """Every layer's and plain parameter's norms added to ``norms``, layers of one shape together; their sums."""
+def _group_norms(engine: DPEngine, tape: _Tape, early: "_EarlyGroups | None", plain: Any, norms: Norms,
+                 add_rows: per_sample.AddRows) -> list[per_sample.Work]:
+    """Every layer's and plain parameter's norms added to ``norms``, layers of one shape together; their sums, which
+    add through ``add_rows``."""
     taken = early.taken if early is not None else set()
     records = [record for record in tape.records.values() if record not in taken]
-    work, sums = _layer_tasks(engine, records, norms)
+    work, sums = _layer_tasks(engine, records, norms, add_rows)
     plain = [(param, grads) for (_, param), grads in plain if grads is not None]
-    work += [(grads.numel(), functools.partial(_plain, param, grads, engine.buffer.add_rows)) for param, grads in plain]
+    work += [(grads.numel(), functools.partial(_plain, param, grads, add_rows)) for param, grads in plain]
     weights = [weight for weight, _ in work]
-    computed = _spread([task for _, task in work], weights, norms.values.device, engine.helper_tasks)
+    computed = _spread([task for _, task in work], weights, norms.values.device)
     for early_norms, early_sums in early.results() if early is not None else []:
         norms.merge(early_norms)
         sums += early_sums
@@ -655,19 +671,18 @@ def _merged(norms: Norms, computed: list[tuple[Norms, list[per_sample.Work]]]) -
     return sums
 
 
-def _computed(engine: DPEngine, records: list[Record], batch: int,
-              device: torch.device) -> tuple[Norms, list[per_sample.Work]]:
+def _computed(engine: DPEngine, records: list[Record], batch: int, device: torch.device,
+              add_rows: per_sample.AddRows) -> tuple[Norms, list[per_sample.Work]]:
     """The norms (an accumulator of their own) and sums of ``records``' layers, all on this thread."""
     norms = Norms(batch, device)
-    work, sums = _layer_tasks(engine, records, norms)
+    work, sums = _layer_tasks(engine, records, norms, add_rows)
     return norms, sums + _merged(norms, [task() for _, task in work])
 
 
-def _layer_tasks(engine: DPEngine, records: list[Record],
-                 norms: Norms) -> tuple[list[tuple[int, Callable[[], Any]]], list[per_sample.Work]]:
+def _layer_tasks(engine: DPEngine, records: list[Record], norms: Norms,
+                 add_rows: per_sample.AddRows) -> tuple[list[tuple[int, Callable[[], Any]]], list[per_sample.Work]]:
     """``records``' layers grouped by shape: each group's task with the multiply-adds of its norms, and the
     embeddings' sums (their norms added to ``norms`` at once)."""
-    add_rows = engine.buffer.add_rows
     groups: dict[tuple, tuple[list[Layer], list[torch.Tensor], list[torch.Tensor]]] = {}
     sums: list[per_sample.Work] = []
     for record in records:
@@ -733,26 +748,22 @@ def _plain(param: nn.Parameter, grads: torch.Tensor,
     return norms, [per_sample.piece([param], values, norms, add_rows)]
 
 
-def _spread(work: list[Callable[[], Any]], weights: list[int], device: torch.device,
-            helper_tasks: list[Future]) -> list[Any]:
+def _spread(work: list[Callable[[], Any]], weights: list[int], device: torch.device) -> list[Any]:
     """``[task() for task in work]``, in order; where :func:`_helpers_have_cores`, shared by :func:`_shares` between
     the step's own thread and helper threads (the groups are independent: their sums write other rows of the
-    buffer, and the results come back in order). The helpers' tasks are put in ``helper_tasks`` (the engine's),
-    which the next sum waits for too: a Ctrl-C can cut this call's own wait short."""
+    buffer, and the results come back in order)."""
     if not _helpers_have_cores(device):
         return [task() for task in work]
     shares = _shares(weights, idle_cores() // torch.get_num_threads())
     pool = noise_pool(idle_cores())
-    wait(helper_tasks)
-    helper_tasks.clear()
-    for share in shares:
-        helper_tasks.append(pool.submit(_in_ieee_float32, functools.partial(_each, [work[index] for index in share])))
+    handed = [pool.submit(_in_ieee_float32, functools.partial(_each, [work[index] for index in share]))
+              for share in shares]
     others = {index for share in shares for index in share}
     try:
         done = {index: task() for index, task in enumerate(work) if index not in others}
     finally:
-        wait(helper_tasks)  # a helper's sum left running after a failure would add into a later step's buffer
-    for share, future in zip(shares, helper_tasks):
+        wait(handed)  # a failure on this thread is raised once the helpers are done (their exceptions are not lost)
+    for share, future in zip(shares, handed):
         done.update(zip(share, future.result()))
     return [done[index] for index in range(len(work))]
 

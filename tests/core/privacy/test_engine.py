@@ -1752,30 +1752,65 @@ def test_a_step_that_fails_on_its_own_thread_waits_for_its_helpers_before_it_rai
 
     work = engine.SPREAD_MIN_WORK
     with pytest.raises(RuntimeError, match="out of memory"):
-        engine._spread([slow, fails], [work, 2 * work], torch.device("cpu"), [])  # the larger stays on this thread
+        engine._spread([slow, fails], [work, 2 * work], torch.device("cpu"))  # the larger stays on this thread
     assert finished == [True]
 
 
-def test_a_new_sum_waits_for_the_helpers_that_a_ctrl_c_left_running(monkeypatch):
-    """A second Ctrl-C can cut short the failed step's own wait for its helpers: the next sum must not draw its noise
-    into the buffer while one of them may still add the failed step's samples to it."""
+def test_a_helpers_sum_left_running_by_an_interrupted_step_adds_nothing_to_the_next_sum(monkeypatch):
+    """A Ctrl-C can come while the step waits for its helpers: a clipped sum still running on a helper must not add a
+    sample of the batch given up into the next sum, whose noise is sized for its own batch."""
     monkeypatch.setattr(engine, "idle_cores", lambda: torch.get_num_threads())
-    finished = []
+    monkeypatch.setattr(engine, "SPREAD_MIN_WORK", 0)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    fresh = nn.Sequential(*[layer for layer in model])  # the same parameters, another engine
 
-    def slow() -> None:
+    def loss_fn(m, x):
+        return m(x).square().sum(-1) * 100.0  # every sample clipped
+
+    first, second = torch.randn(6, 6), torch.randn(1, 6)
+    each, waits = engine._each, []
+
+    def late(tasks):
         time.sleep(0.3)
-        finished.append(True)
+        return each(tasks)
 
-    def interrupted(futures) -> None:
-        if futures:
+    def interrupted(futures):
+        waits.append(len(futures))
+        if len(waits) == 2:  # the clipped sums' wait (the norms' is the first)
             raise KeyboardInterrupt
 
-    dp = DPEngine(nn.Linear(4, 2), max_grad_norm=1.0)
-    work = engine.SPREAD_MIN_WORK
+    dp = DPEngine(model, max_grad_norm=0.3)
     with monkeypatch.context() as patch:
+        patch.setattr(engine, "_each", late)
         patch.setattr(engine, "wait", interrupted)
         with pytest.raises(KeyboardInterrupt):
-            engine._spread([slow, lambda: None], [work, 2 * work], torch.device("cpu"), dp.helper_tasks)
-    assert finished == []
-    dp.clipped_sum()
-    assert finished == [True]
+            dp.clipped_sum().add(loss_fn, first)
+    total = dp.clipped_sum()
+    total.add(loss_fn, second)
+    total.privatize(expected_batch_size=1.0)
+    time.sleep(0.6)  # the helper's sum of the first batch is done by now
+    got = [p.grad.clone() for p in model.parameters()]
+    privatized_gradients(fresh, loss_fn, second, max_grad_norm=0.3, noise_multiplier=0.0, expected_batch_size=1.0)
+    assert all(torch.equal(a, p.grad) for a, p in zip(got, fresh.parameters()))
+
+
+def test_a_sum_whose_add_failed_refuses_to_go_on_even_where_a_second_ctrl_c_stopped_it_closing(monkeypatch):
+    """A failed add leaves part of a batch in the sum: adding the batch again would count its samples twice."""
+    dp = DPEngine(nn.Linear(4, 2), max_grad_norm=1.0)
+    total = dp.clipped_sum()
+
+    def fails(m, x):
+        raise RuntimeError("out of memory")
+
+    def cut_short(self, reason):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(engine.ClippedGradientSum, "close", cut_short)
+        with pytest.raises(KeyboardInterrupt):
+            total.add(fails, torch.randn(3, 4))
+    with pytest.raises(RuntimeError, match="failed part-way"):
+        total.add(lambda m, x: m(x).sum(-1), torch.randn(3, 4))
+    with pytest.raises(RuntimeError, match="failed part-way"):
+        total.privatize(expected_batch_size=3.0)
