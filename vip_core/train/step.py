@@ -169,7 +169,7 @@ class TrainingStep(abc.ABC):
         """Sets ``.grad`` of every trainable parameter; returns the (all-reduced) loss sum and example count."""
 
     def _account(self) -> Callable[[], float | None]:
-        """Counts the step; returns what computes ε after it."""
+        """What computes ε after the step."""
         return _no_epsilon
 
     def state_dict(self) -> dict[str, Any]:
@@ -226,15 +226,17 @@ class PrivateStep(TrainingStep):
         return self.ledger.can_step(self.plan.target_epsilon)
 
     def _gradients(self, inputs: Inputs, loss_fn: LossFn) -> tuple[float, float]:
-        """Σ clip(gᵢ, C) of this rank's samples, plus (rank 0 only) the noise, over B; summed over ranks."""
+        """Σ clip(gᵢ, C) of this rank's samples, plus (rank 0 only) the noise, over B; summed over ranks. The step is
+        counted in the ledger before the noised sum exists: a failure after it (a Ctrl-C before the step returns)
+        can overstate ε, never leave a step that changed the model uncounted."""
         clipped = self.engine.clipped_sum(noise_multiplier=self.noise_multiplier, noise=self.streams.noise)
         clipped.add(loss_fn, inputs, physical_batch_size=self.physical_batch_size)
+        self.ledger.record_step()
         stats = clipped.privatize(expected_batch_size=self.plan.batch_size, all_reduce=all_reduce_in_place)
         return all_reduce_sum(stats.loss_sum), all_reduce_sum(stats.examples)
 
     def _account(self) -> Callable[[], float | None]:
-        """Counts the step; ε after it on rank 0 (the other ranks need only :meth:`can_step`)."""
-        self.ledger.record_step()
+        """ε after the step (counted by :meth:`_gradients`) on rank 0 (the other ranks need only :meth:`can_step`)."""
         return functools.partial(self.ledger.epsilon_after, self.ledger.steps) if self.rank == 0 else _no_epsilon
 
     def state_dict(self) -> dict[str, Any]:

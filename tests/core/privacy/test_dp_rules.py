@@ -491,6 +491,28 @@ def test_rule_6_epsilon_every_step_and_a_stop_before_the_target_would_be_passed(
     assert max(r.epsilon for r in reports) <= target
 
 
+def test_rule_6_a_step_interrupted_after_the_noised_gradient_was_applied_is_still_counted(monkeypatch):
+    """A Ctrl-C between the optimiser's update and the end of the step, then the run goes on (a notebook): every
+    update made from a noised gradient must be in the ledger, or ε is understated."""
+    loss_fn = regression_problem()
+    plan = direct_plan(dataset_size=64, batch_size=16, sigma=1.0, clip=1.0)
+    step = PrivateStep(nn.Linear(6, 1), plan, Schedule(peak_lr=0.1, total_steps=6), physical_batch_size=4)
+    before = [p.detach().clone() for p in step.model.parameters()]
+    zero_grad = step.optimizer.zero_grad
+
+    def interrupted(*args, **kwargs):
+        monkeypatch.setattr(step.optimizer, "zero_grad", zero_grad)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(step.optimizer, "zero_grad", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        step(lambda local, stream: local, loss_fn)
+    assert any(not torch.equal(a, p) for a, p in zip(before, step.model.parameters()))  # the update was applied
+    assert step.ledger.steps == 1
+    step(lambda local, stream: local, loss_fn)
+    assert step.ledger.steps == 2
+
+
 @pytest.mark.parametrize(("field", "changed"), [
     ("noise_multiplier", {"noise_multiplier": 0.25}),  # σ/4: would train at σ/4 and account at σ
     ("fingerprint", {"fingerprint": "other-shards-of-the-same-size"}),
