@@ -124,9 +124,10 @@ def dp_finetune(model: EncoderClassifier, train: Dataset, settings: FinetuneSett
         if rank == 0 and report.step % max(1, plan.steps // 5) == 0:
             logger.info("DP fine-tune step %d/%d: epsilon %.3f", report.step, plan.steps, report.epsilon)
 
-    result = run_steps(step, batch, loss, until=plan.steps, on_step=progress)
+    run_steps(step, batch, loss, until=plan.steps, on_step=progress)
     if rank == 0:
-        settle_charge(LedgerBook.for_data_set(plan.fingerprint, ledgers), plan, run, PURPOSE, result.steps)
+        taken = step.ledger.steps - earlier_runs * plan.steps  # the ledger's count, never behind the steps taken
+        settle_charge(LedgerBook.for_data_set(plan.fingerprint, ledgers), plan, run, PURPOSE, taken)
     return step.epsilon
 
 

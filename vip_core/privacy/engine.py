@@ -190,8 +190,10 @@ class ClippedGradientSum:
             raise ValueError("noise_multiplier > 0 needs a noise stream (a RandomStream), never a default generator")
         self.engine = engine
         self.buffer = engine.buffer  # this sum's, also where the engine plans the model again and makes another
-        for param in engine.plan.frozen:
-            param.grad = None  # a frozen parameter's stale gradient would be applied by the optimiser
+        for param in (*engine.plan.params, *engine.plan.frozen):
+            # a trainable parameter's gradient is a view of the buffer, which now takes noise and sums not yet
+            # privatized; a frozen one's stale gradient would be applied by the optimiser
+            param.grad = None
         draw = GaussianDraw(noise, noise_multiplier * engine.max_grad_norm) if noise_multiplier > 0 else None
         self.noise = StepNoise(self.buffer, draw)
         self.totals = _Totals()

@@ -159,16 +159,20 @@ class TrainingStep(abc.ABC):
         with record_function("vip.optimizer"):
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        self.taken += 1
-        epsilon_of = self._account()
+        epsilon_of = self._epsilon_of()
         return StepReport(step=self.taken, lr=lr, loss=loss_sum / max(examples, 1.0), examples=int(examples),
                           seconds=time.perf_counter() - started, epsilon_of=epsilon_of)
 
     @abc.abstractmethod
     def _gradients(self, inputs: Inputs, loss_fn: LossFn) -> tuple[float, float]:
-        """Sets ``.grad`` of every trainable parameter; returns the (all-reduced) loss sum and example count."""
+        """Sets ``.grad`` of every trainable parameter, counting the step (:meth:`_count`) before; returns the
+        (all-reduced) loss sum and example count."""
 
-    def _account(self) -> Callable[[], float | None]:
+    def _count(self) -> None:
+        """Counts the step, before its gradients are set: a step that fails after this is counted."""
+        self.taken += 1
+
+    def _epsilon_of(self) -> Callable[[], float | None]:
         """What computes ε after the step."""
         return _no_epsilon
 
@@ -227,16 +231,20 @@ class PrivateStep(TrainingStep):
 
     def _gradients(self, inputs: Inputs, loss_fn: LossFn) -> tuple[float, float]:
         """Σ clip(gᵢ, C) of this rank's samples, plus (rank 0 only) the noise, over B; summed over ranks. The step is
-        counted in the ledger before the noised sum exists: a failure after it (a Ctrl-C before the step returns)
-        can overstate ε, never leave a step that changed the model uncounted."""
+        counted before the noised sum exists: a failure after it (a Ctrl-C before the step returns) can overstate ε,
+        never leave a step that changed the model uncounted."""
         clipped = self.engine.clipped_sum(noise_multiplier=self.noise_multiplier, noise=self.streams.noise)
         clipped.add(loss_fn, inputs, physical_batch_size=self.physical_batch_size)
-        self.ledger.record_step()
+        self._count()
         stats = clipped.privatize(expected_batch_size=self.plan.batch_size, all_reduce=all_reduce_in_place)
         return all_reduce_sum(stats.loss_sum), all_reduce_sum(stats.examples)
 
-    def _account(self) -> Callable[[], float | None]:
-        """ε after the step (counted by :meth:`_gradients`) on rank 0 (the other ranks need only :meth:`can_step`)."""
+    def _count(self) -> None:
+        self.ledger.record_step()  # first: a failure between the two counts can overstate ε, never understate it
+        super()._count()
+
+    def _epsilon_of(self) -> Callable[[], float | None]:
+        """ε after the step on rank 0 (the other ranks need only :meth:`can_step`)."""
         return functools.partial(self.ledger.epsilon_after, self.ledger.steps) if self.rank == 0 else _no_epsilon
 
     def state_dict(self) -> dict[str, Any]:
@@ -293,6 +301,7 @@ class PlainStep(TrainingStep):
             losses.sum().backward()
             loss_sum += float(losses.detach().sum())
             examples += len(losses)
+        self._count()
         params = trainable_parameters(self.model)
         all_reduce_gradients(params)
         count = all_reduce_sum(examples)

@@ -508,9 +508,9 @@ def test_rule_6_a_step_interrupted_after_the_noised_gradient_was_applied_is_stil
     with pytest.raises(KeyboardInterrupt):
         step(lambda local, stream: local, loss_fn)
     assert any(not torch.equal(a, p) for a, p in zip(before, step.model.parameters()))  # the update was applied
-    assert step.ledger.steps == 1
+    assert step.ledger.steps == step.taken == 1  # the run's charge is settled from these
     step(lambda local, stream: local, loss_fn)
-    assert step.ledger.steps == 2
+    assert step.ledger.steps == step.taken == 2
 
 
 @pytest.mark.parametrize(("field", "changed"), [
@@ -801,3 +801,18 @@ def _uses(name: str) -> set[str]:
 @pytest.mark.parametrize("name", sorted(NOISE_OR_LEDGER | PLANNING))
 def test_rule_11_only_the_one_private_step_adds_noise_or_advances_a_ledger(name):
     assert _uses(name) <= ALLOWED[name], f"{name} is used outside the one private step: {_uses(name) - ALLOWED[name]}"
+
+
+def test_rule_6_a_new_sum_drops_the_gradients_that_were_views_of_its_buffer():
+    """After a step interrupted before its optimiser cleared them, the parameters' gradients are views of the engine's
+    buffer: the next step's noise and sums, not yet privatized (on ranks other than 0, without noise), must not be
+    readable through them."""
+    loss_fn = regression_problem()
+    plan = direct_plan(dataset_size=64, batch_size=16, sigma=1.0, clip=1.0)
+    step = PrivateStep(nn.Linear(6, 1), plan, Schedule(peak_lr=0.1, total_steps=6), physical_batch_size=4)
+    clipped = step.engine.clipped_sum(noise_multiplier=1.0, noise=step.streams.noise)
+    clipped.add(loss_fn, torch.arange(8))
+    clipped.privatize(expected_batch_size=16.0)
+    assert all(p.grad is not None for p in step.model.parameters())  # as an interrupted step leaves them
+    step.engine.clipped_sum(noise_multiplier=1.0, noise=step.streams.noise).add(loss_fn, torch.arange(8, 16))
+    assert all(p.grad is None for p in step.model.parameters())
