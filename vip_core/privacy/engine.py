@@ -249,13 +249,21 @@ class ClippedGradientSum:
         if reason is not None:
             raise RuntimeError(f"this ClippedGradientSum {reason}; create one per logical batch")
 
+    def discard(self) -> None:
+        """Gives the sum up (a step that failed): closed, its noise stopped and the buffer zeroed, since gradients
+        kept from an earlier step may be views of the buffer, which holds noise and sums not privatized."""
+        self.close(_FAILED)
+        self.noise.stop()
+        with self.buffer.lock:
+            for flat in self.buffer.flats.values():
+                flat.zero_()
+
     @contextlib.contextmanager
     def _closed_on_error(self) -> Iterator[None]:
         try:
             yield
         except BaseException:
-            self.close(_FAILED)
-            self.noise.stop()
+            self.discard()
             raise
 
 

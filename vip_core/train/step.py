@@ -234,9 +234,13 @@ class PrivateStep(TrainingStep):
         counted before the noised sum exists: a failure after it (a Ctrl-C before the step returns) can overstate ε,
         never leave a step that changed the model uncounted."""
         clipped = self.engine.clipped_sum(noise_multiplier=self.noise_multiplier, noise=self.streams.noise)
-        clipped.add(loss_fn, inputs, physical_batch_size=self.physical_batch_size)
-        self._count()
-        stats = clipped.privatize(expected_batch_size=self.plan.batch_size, all_reduce=all_reduce_in_place)
+        try:
+            clipped.add(loss_fn, inputs, physical_batch_size=self.physical_batch_size)
+            self._count()
+            stats = clipped.privatize(expected_batch_size=self.plan.batch_size, all_reduce=all_reduce_in_place)
+        except BaseException:
+            clipped.discard()  # a failure before the gradients were set leaves no sum readable in the buffer
+            raise
         return all_reduce_sum(stats.loss_sum), all_reduce_sum(stats.examples)
 
     def _count(self) -> None:

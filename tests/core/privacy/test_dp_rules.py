@@ -816,3 +816,25 @@ def test_rule_6_a_new_sum_drops_the_gradients_that_were_views_of_its_buffer():
     assert all(p.grad is not None for p in step.model.parameters())  # as an interrupted step leaves them
     step.engine.clipped_sum(noise_multiplier=1.0, noise=step.streams.noise).add(loss_fn, torch.arange(8, 16))
     assert all(p.grad is None for p in step.model.parameters())
+
+
+def test_rule_6_gradients_kept_from_an_earlier_step_show_nothing_of_a_step_that_failed():
+    """An observer may keep the gradients it was shown (to log them later): they are views of the engine's buffer,
+    which the next step fills with noise and sums not privatized (on ranks other than 0, without noise); a step that
+    fails must leave nothing of its samples there."""
+    loss_fn = regression_problem()
+    plan = direct_plan(dataset_size=64, batch_size=16, sigma=1.0, clip=1.0)
+    step = PrivateStep(nn.Linear(6, 1), plan, Schedule(peak_lr=0.1, total_steps=6), physical_batch_size=1)
+    kept = []
+    step(lambda local, stream: local, loss_fn, lambda model: kept.extend(p.grad.detach() for p in model.parameters()))
+    calls = []
+
+    def fails_on_the_second_microbatch(model, indices):
+        calls.append(indices)
+        if len(calls) == 2:
+            raise RuntimeError("out of memory")
+        return loss_fn(model, indices)
+
+    with pytest.raises(RuntimeError, match="out of memory"):
+        step(lambda local, stream: local, fails_on_the_second_microbatch)
+    assert all(bool((values == 0).all()) for values in kept)
