@@ -45,7 +45,7 @@ class GradientBuffer:
                 self.rows[id(param)] = (region, row)
                 self.views.append((param, region[row].view(shape)))
         self.targets: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor | None]] = {}
-        self.lock = threading.Lock()  # held by each sum's write and by closing a sum (ClippedGradientSum.add_rows)
+        self.lock = threading.Lock()  # held by a sum's writes, closing it and zeroing a failed one's (engine.py)
 
     def add_rows(self, params: list[nn.Parameter], values: torch.Tensor) -> None:
         """Adds ``values`` ``[L, n]`` (one row per parameter of one shape) to the sums of ``params``: one in-place
