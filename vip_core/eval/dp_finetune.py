@@ -126,8 +126,7 @@ def dp_finetune(model: EncoderClassifier, train: Dataset, settings: FinetuneSett
 
     run_steps(step, batch, loss, until=plan.steps, on_step=progress)
     if rank == 0:
-        taken = step.ledger.steps - earlier_runs * plan.steps  # the ledger's count, never behind the steps taken
-        settle_charge(LedgerBook.for_data_set(plan.fingerprint, ledgers), plan, run, PURPOSE, taken)
+        settle_charge(LedgerBook.for_data_set(plan.fingerprint, ledgers), plan, run, PURPOSE, step.counted)
     return step.epsilon
 
 

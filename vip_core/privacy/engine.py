@@ -644,7 +644,7 @@ def _add_microbatch(engine: DPEngine, loss_fn: LossFn, inputs: Inputs, real: int
         if not apart:
             with record_function("vip.clipped_sum"):
                 total.noise.wait()
-                _spread([functools.partial(add, factors, sanitize) for _, add in sums], [w for w, _ in sums], device)
+                _spread([(weight, functools.partial(add, factors, sanitize)) for weight, add in sums], device)
     if apart:
         del sums  # this microbatch's stacks, none of them added
         for sample in range(real):
@@ -662,8 +662,7 @@ def _group_norms(engine: DPEngine, tape: _Tape, early: "_EarlyGroups | None", pl
     work, sums = _layer_tasks(engine, records, norms, add_rows)
     plain = [(param, grads) for (_, param), grads in plain if grads is not None]
     work += [(grads.numel(), functools.partial(_plain, param, grads, add_rows)) for param, grads in plain]
-    weights = [weight for weight, _ in work]
-    computed = _spread([task for _, task in work], weights, norms.values.device)
+    computed = _spread(work, norms.values.device)
     for early_norms, early_sums in early.results() if early is not None else []:
         norms.merge(early_norms)
         sums += early_sums
@@ -758,19 +757,20 @@ def _plain(param: nn.Parameter, grads: torch.Tensor,
     return norms, [per_sample.piece([param], values, norms, add_rows)]
 
 
-def _spread(work: list[Callable[[], Any]], weights: list[int], device: torch.device) -> list[Any]:
-    """``[task() for task in work]``, in order; where :func:`_helpers_have_cores`, shared by :func:`_shares` between
-    the step's own thread and helper threads (the groups are independent: their sums write other rows of the
-    buffer, and the results come back in order)."""
+def _spread(work: list[tuple[int, Callable[[], Any]]], device: torch.device) -> list[Any]:
+    """``[task() for _, task in work]``, in order; where :func:`_helpers_have_cores`, shared by :func:`_shares` (by
+    each task's multiply-adds, its weight) between the step's own thread and helper threads (the groups are
+    independent: their sums write other rows of the buffer, and the results come back in order)."""
+    tasks = [task for _, task in work]
     if not _helpers_have_cores(device):
-        return [task() for task in work]
-    shares = _shares(weights, idle_cores() // torch.get_num_threads())
+        return [task() for task in tasks]
+    shares = _shares([weight for weight, _ in work], idle_cores() // torch.get_num_threads())
     pool = noise_pool(idle_cores())
-    handed = [pool.submit(_in_ieee_float32, functools.partial(_each, [work[index] for index in share]))
+    handed = [pool.submit(_in_ieee_float32, functools.partial(_each, [tasks[index] for index in share]))
               for share in shares]
     others = {index for share in shares for index in share}
     try:
-        done = {index: task() for index, task in enumerate(work) if index not in others}
+        done = {index: task() for index, task in enumerate(tasks) if index not in others}
     finally:
         wait(handed)  # a failure on this thread is raised once the helpers are done (their exceptions are not lost)
     for share, future in zip(shares, handed):

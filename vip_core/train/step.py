@@ -220,6 +220,7 @@ class PrivateStep(TrainingStep):
         self.plan = plan
         self.engine = DPEngine(model, max_grad_norm=plan.max_grad_norm, strict_float32=plan.strict_float32)
         self.ledger = plan.ledger(earlier_runs)
+        self.first_ledger_step = self.ledger.steps  # the earlier runs' steps, counted whole
         self.noise_multiplier = rank_noise_multiplier(plan.noise_multiplier, self.rank)
 
     @property
@@ -228,6 +229,12 @@ class PrivateStep(TrainingStep):
 
     def can_step(self) -> bool:
         return self.ledger.can_step(self.plan.target_epsilon)
+
+    @property
+    def counted(self) -> int:
+        """This run's steps by its ledger (never behind :attr:`taken`: a step is counted there first), which is what
+        the run's charge is settled to."""
+        return self.ledger.steps - self.first_ledger_step
 
     def _gradients(self, inputs: Inputs, loss_fn: LossFn) -> tuple[float, float]:
         """Σ clip(gᵢ, C) of this rank's samples, plus (rank 0 only) the noise, over B; summed over ranks. The step is

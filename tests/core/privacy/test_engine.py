@@ -49,6 +49,13 @@ def engine_grads(model, loss_fn, inputs, max_grad_norm, expected=1.0, physical=N
     return [p.grad.double() for p in model.parameters() if p.requires_grad]
 
 
+def hand_every_task_to_helpers(monkeypatch, idle=None):
+    """The engine sees ``idle`` idle cores (as many as torch's threads when None) and hands over work of any size."""
+    monkeypatch.setattr(engine, "idle_cores", lambda: torch.get_num_threads() if idle is None else idle)
+    monkeypatch.setattr(engine, "SPREAD_MIN_WORK", 0)
+    monkeypatch.setattr(engine, "EARLY_MIN_ELEMENTS", 0)
+
+
 def assert_matches_reference(model, loss_fn, inputs, max_grad_norm, physical=None):
     expected = reference_clipped_sum(model, loss_fn, inputs, max_grad_norm)
     got = engine_grads(model, loss_fn, inputs, max_grad_norm, physical=physical)
@@ -268,9 +275,7 @@ def test_groups_spread_over_idle_cores_give_bit_identical_gradients(monkeypatch)
     try:
         torch.set_num_threads(1)
         for idle in (0, 1):
-            monkeypatch.setattr(engine, "idle_cores", lambda idle=idle: idle)
-            monkeypatch.setattr(engine, "SPREAD_MIN_WORK", 0)
-            monkeypatch.setattr(engine, "EARLY_MIN_ELEMENTS", 0)
+            hand_every_task_to_helpers(monkeypatch, idle)
             runs.append(engine_grads(model, lambda m, x: m(x).sum(-1), inputs, 0.5, physical=2))
     finally:
         torch.set_num_threads(previous)
@@ -280,9 +285,7 @@ def test_groups_spread_over_idle_cores_give_bit_identical_gradients(monkeypatch)
 def test_a_step_that_hands_layers_over_during_the_backward_lets_its_graph_and_inputs_go(monkeypatch):
     """The hand-over listens on the autograd graph's nodes: the step must not keep them (and the activations they
     hold) alive once it is done, or every step would leak its graph."""
-    monkeypatch.setattr(engine, "idle_cores", lambda: torch.get_num_threads())
-    monkeypatch.setattr(engine, "SPREAD_MIN_WORK", 0)
-    monkeypatch.setattr(engine, "EARLY_MIN_ELEMENTS", 0)
+    hand_every_task_to_helpers(monkeypatch)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
     inputs = torch.randn(3, 4)
     kept = weakref.ref(inputs)  # the first Linear's backward node holds it for its weight gradient
@@ -310,9 +313,7 @@ def test_layers_handed_to_an_idle_core_during_the_backward_give_the_exact_clippe
 
     computed = engine._computed
     monkeypatch.setattr(engine, "_computed", spied)
-    monkeypatch.setattr(engine, "idle_cores", lambda: torch.get_num_threads())
-    monkeypatch.setattr(engine, "SPREAD_MIN_WORK", 0)
-    monkeypatch.setattr(engine, "EARLY_MIN_ELEMENTS", 0)
+    hand_every_task_to_helpers(monkeypatch)
     assert_matches_reference(model, loss_fn, inputs, max_grad_norm=0.05, physical=3)
     assert handed and all(handed)
 
@@ -1634,9 +1635,7 @@ class ScalesAGradient(nn.Module):
 def test_a_tensor_hook_of_the_users_on_a_layer_output_is_in_the_gradient_clipped(monkeypatch, helpers):
     """The weight gradient autograd would compute sees the hook's scaling, so the clipped one must too."""
     if helpers:
-        monkeypatch.setattr(engine, "idle_cores", lambda: torch.get_num_threads())
-        monkeypatch.setattr(engine, "SPREAD_MIN_WORK", 0)
-        monkeypatch.setattr(engine, "EARLY_MIN_ELEMENTS", 0)
+        hand_every_task_to_helpers(monkeypatch)
     torch.manual_seed(0)
     assert_matches_reference(ScalesAGradient(), lambda m, x: m(x).square().sum(-1), torch.randn(5, 4), 10.0)
 
@@ -1675,9 +1674,7 @@ def test_a_gradient_written_into_after_its_layer_was_handed_to_a_helper_leaves_t
         monkeypatch, through_data, shape):
     """The helper computes a layer's norm and its sum from copies taken when the layer is handed over: a later write
     into the gradient cannot make them disagree (the norm of one value, the sum of another)."""
-    monkeypatch.setattr(engine, "idle_cores", lambda: torch.get_num_threads())
-    monkeypatch.setattr(engine, "SPREAD_MIN_WORK", 0)
-    monkeypatch.setattr(engine, "EARLY_MIN_ELEMENTS", 0)
+    hand_every_task_to_helpers(monkeypatch)
     torch.manual_seed(0)
     inputs = torch.randn(*shape)
     inputs[2] *= 100.0
@@ -1699,9 +1696,7 @@ class KeepsItsLastOutput(nn.Module):
 def test_a_model_that_keeps_an_output_with_its_graph_is_freed_once_dropped(monkeypatch, helpers):
     """The graph the model keeps must not hold the engine's listeners, which hold the engine and the model."""
     if helpers:
-        monkeypatch.setattr(engine, "idle_cores", lambda: torch.get_num_threads())
-        monkeypatch.setattr(engine, "SPREAD_MIN_WORK", 0)
-        monkeypatch.setattr(engine, "EARLY_MIN_ELEMENTS", 0)
+        hand_every_task_to_helpers(monkeypatch)
     model = KeepsItsLastOutput()
     engine_grads(model, lambda m, x: m(x), torch.randn(3, 4), 1.0)
     kept = weakref.ref(model)
@@ -1752,7 +1747,7 @@ def test_a_step_that_fails_on_its_own_thread_waits_for_its_helpers_before_it_rai
 
     work = engine.SPREAD_MIN_WORK
     with pytest.raises(RuntimeError, match="out of memory"):
-        engine._spread([slow, fails], [work, 2 * work], torch.device("cpu"))  # the larger stays on this thread
+        engine._spread([(work, slow), (2 * work, fails)], torch.device("cpu"))  # the larger stays on this thread
     assert finished == [True]
 
 
