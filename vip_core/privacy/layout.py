@@ -79,7 +79,7 @@ def wrapped_forwards(modules: Iterable[nn.Module], call: Callable[..., torch.Ten
     finally:
         for module, own in replaced:
             if own is None:
-                del module.__dict__["forward"]
+                module.__dict__.pop("forward", None)  # an interrupt can fall between recording and swapping
             else:
                 module.__dict__["forward"] = own
 

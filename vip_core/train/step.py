@@ -267,7 +267,8 @@ class PrivateStep(TrainingStep):
         Raises:
             ValueError: the checkpoint's plan or ledger differs from this plan in N, the data's fingerprint, B,
                 q, steps, runs, target, δ, accountant, C, σ, random mode or the other runs composed in (the
-                message names the field).
+                message names the field), or its ledger counts fewer steps than this run's earlier runs and its own
+                steps (a checkpoint of an earlier run of the plan).
         """
         mismatch = self.plan.mismatch(state.get("plan") or {})
         if mismatch is None:
@@ -279,8 +280,13 @@ class PrivateStep(TrainingStep):
                 mismatch = "a ledger composed with other runs than the plan's"
         if mismatch is not None:
             raise ValueError(f"resume refused: the checkpoint was trained with {mismatch}")
+        ledger_steps, own_steps = int(state["ledger"]["steps"]), int(state["step"])
+        if ledger_steps < self.first_ledger_step + own_steps:
+            raise ValueError(f"resume refused: the checkpoint's ledger counts {ledger_steps} steps, fewer than this "
+                             f"run's earlier runs' {self.first_ledger_step} and its own {own_steps} (a checkpoint "
+                             "of an earlier run of the plan?)")
         super().load_state_dict(state, stream_state)
-        self.ledger.steps = int(state["ledger"]["steps"])
+        self.ledger.steps = ledger_steps
 
 
 class PlainStep(TrainingStep):

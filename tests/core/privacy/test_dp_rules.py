@@ -543,6 +543,20 @@ def test_rule_6_resume_refuses_a_plan_composed_with_other_runs():
         resumed.load_state_dict(first.state_dict())
 
 
+def test_rule_6_resume_refuses_a_checkpoint_of_an_earlier_run_of_the_plan():
+    """Run 1's ledger starts at run 0's planned steps: run 0's checkpoint there would count its steps from below
+    that start, and the run's charge would be settled short."""
+    plan = direct_plan(dataset_size=64, batch_size=16, sigma=1.0, clip=1.0)
+    first = PrivateStep(nn.Linear(6, 1), plan, Schedule(peak_lr=0.1, total_steps=6), physical_batch_size=4)
+    run_steps(first, lambda local, stream: local, regression_problem(), until=2)
+    second = PrivateStep(nn.Linear(6, 1), plan, Schedule(peak_lr=0.1, total_steps=6), physical_batch_size=4,
+                         earlier_runs=1)
+    with pytest.raises(ValueError, match="resume refused: the checkpoint's ledger counts 2 steps, fewer than this "
+                                         f"run's earlier runs' {plan.steps} and its own 2"):
+        second.load_state_dict(first.state_dict(), first.stream_state())
+    assert second.counted == 0 and second.taken == 0  # nothing of the checkpoint was taken in
+
+
 def test_rule_6_resume_refuses_a_ledger_that_disagrees_with_its_plan():
     plan = direct_plan(dataset_size=64, batch_size=16, sigma=1.0, clip=1.0)
     step = PrivateStep(nn.Linear(6, 1), plan, Schedule(peak_lr=0.1, total_steps=6), physical_batch_size=4)

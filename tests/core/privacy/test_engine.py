@@ -1790,6 +1790,21 @@ def test_a_helpers_sum_left_running_by_an_interrupted_step_adds_nothing_to_the_n
     assert all(torch.equal(a, p.grad) for a, p in zip(got, fresh.parameters()))
 
 
+def test_a_ctrl_c_while_the_forwards_are_being_wrapped_leaves_every_module_as_it_was():
+    class SlowToWrap(nn.Linear):
+        @property
+        def forward(self):  # a Ctrl-C that lands after this module was recorded, before its forward is swapped
+            raise KeyboardInterrupt
+
+    wrapped, interrupted = nn.Linear(2, 2), SlowToWrap(2, 2)
+    with pytest.raises(KeyboardInterrupt) as caught:
+        with layout.wrapped_forwards([wrapped, interrupted], lambda module, forward, x: forward(x) * 0):
+            pass
+    assert caught.value.__context__ is None  # the Ctrl-C itself, not an error of the undoing
+    assert "forward" not in wrapped.__dict__ and "forward" not in interrupted.__dict__
+    assert wrapped(torch.ones(1, 2)).abs().sum() > 0  # its own forward again
+
+
 def test_a_sum_whose_add_failed_refuses_to_go_on_even_where_a_second_ctrl_c_stopped_it_closing(monkeypatch):
     """A failed add leaves part of a batch in the sum: adding the batch again would count its samples twice."""
     dp = DPEngine(nn.Linear(4, 2), max_grad_norm=1.0)
