@@ -65,16 +65,29 @@ def per_sample_losses(model: nn.Module, loss_fn: LossFn, inputs: Inputs, swapped
     return losses
 
 
+class _WrappedForward(functools.partial):
+    """A forward swapped in by :func:`wrapped_forwards`."""
+
+
 @contextlib.contextmanager
 def wrapped_forwards(modules: Iterable[nn.Module], call: Callable[..., torch.Tensor]) -> Iterator[None]:
     """Within the block, each module's ``forward`` is ``call(module, forward, *args, **kwargs)`` (``forward`` its
     own). Unlike a module hook, this keeps torch's fast call path, also sees a ``.forward(...)`` called directly, and
-    sees the layer's own output, before any forward hook of the user's."""
+    sees the layer's own output, before any forward hook of the user's.
+
+    Raises:
+        RuntimeError: a module's forward is still wrapped (a second Ctrl-C cut the undoing short, or engines were
+            nested): its calls would be recorded twice, or by a block that has ended.
+    """
     replaced: list[tuple[nn.Module, Any]] = []
     try:
         for module in modules:
-            replaced.append((module, module.__dict__.get("forward")))
-            module.__dict__["forward"] = functools.partial(call, module, module.forward)
+            own = module.__dict__.get("forward")
+            if isinstance(own, _WrappedForward):
+                raise RuntimeError(f"a {type(module).__name__}'s forward is still wrapped by an earlier step (a second "
+                                   "Ctrl-C while it was undone, or one engine inside another): start the process again")
+            replaced.append((module, own))
+            module.__dict__["forward"] = _WrappedForward(call, module, module.forward)
         yield
     finally:
         for module, own in replaced:

@@ -1805,6 +1805,17 @@ def test_a_ctrl_c_while_the_forwards_are_being_wrapped_leaves_every_module_as_it
     assert wrapped(torch.ones(1, 2)).abs().sum() > 0  # its own forward again
 
 
+def test_a_layer_left_wrapped_by_an_undo_a_second_ctrl_c_cut_short_is_refused_by_the_next_sum():
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 1))
+    dp = DPEngine(model, max_grad_norm=1.0)
+    left = layout.wrapped_forwards([model[2]], lambda module, forward, x: forward(x))
+    left.__enter__()  # and never left: what an undo stopped before this module leaves
+    with pytest.raises(RuntimeError, match="a Linear's forward is still wrapped by an earlier step .* start the "
+                                           "process again"):
+        dp.clipped_sum().add(lambda m, x: m(x).sum(-1), torch.randn(3, 4))
+    assert "forward" not in model[0].__dict__  # the layers wrapped before the refusal are undone
+
+
 def test_a_sum_whose_add_failed_refuses_to_go_on_even_where_a_second_ctrl_c_stopped_it_closing(monkeypatch):
     """A failed add leaves part of a batch in the sum: adding the batch again would count its samples twice."""
     dp = DPEngine(nn.Linear(4, 2), max_grad_norm=1.0)
