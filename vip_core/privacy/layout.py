@@ -76,7 +76,7 @@ def wrapped_forwards(modules: Iterable[nn.Module], call: Callable[..., torch.Ten
     sees the layer's own output, before any forward hook of the user's.
 
     Raises:
-        RuntimeError: a module's forward is still wrapped (a second Ctrl-C cut the undoing short, or engines were
+        RuntimeError: a module's forward is still wrapped (a Ctrl-C cut the undoing short, or engines were
             nested): its calls would be recorded twice, or by a block that has ended.
     """
     replaced: list[tuple[nn.Module, Any]] = []
@@ -84,8 +84,8 @@ def wrapped_forwards(modules: Iterable[nn.Module], call: Callable[..., torch.Ten
         for module in modules:
             own = module.__dict__.get("forward")
             if isinstance(own, _WrappedForward):
-                raise RuntimeError(f"a {type(module).__name__}'s forward is still wrapped by an earlier step (a second "
-                                   "Ctrl-C while it was undone, or one engine inside another): start the process again")
+                raise RuntimeError(f"a {type(module).__name__}'s forward is still wrapped by an earlier step (a Ctrl-C "
+                                   "while it was being undone, or one engine inside another): start the process again")
             replaced.append((module, own))
             module.__dict__["forward"] = _WrappedForward(call, module, module.forward)
         yield

@@ -1805,7 +1805,7 @@ def test_a_ctrl_c_while_the_forwards_are_being_wrapped_leaves_every_module_as_it
     assert wrapped(torch.ones(1, 2)).abs().sum() > 0  # its own forward again
 
 
-def test_a_layer_left_wrapped_by_an_undo_a_second_ctrl_c_cut_short_is_refused_by_the_next_sum():
+def test_a_layer_left_wrapped_by_an_undo_a_ctrl_c_cut_short_is_refused_by_the_next_sum():
     model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 1))
     dp = DPEngine(model, max_grad_norm=1.0)
     left = layout.wrapped_forwards([model[2]], lambda module, forward, x: forward(x))
