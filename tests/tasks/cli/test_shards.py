@@ -62,14 +62,13 @@ def test_own_images_become_shards_without_bad_files_duplicates_or_evaluation_ima
     assert manifest["moved-away.jpg"]["reason"] == "unreadable" and ".DS_Store" not in manifest
 
 
-def test_pretraining_reads_the_shards_and_charges_their_ledger(own_images, written, tmp_path):
+def test_pretraining_reads_the_shards_and_charges_their_ledger(own_images, written, tmp_path, vip_here):
     output, _ = written
-    result = subprocess.run(VIP + ["pretrain", "--stage", "private", "--data", str(output), "--output",
-                                   str(tmp_path / "run"), "--steps", "2", "--batch-size", "4",
-                                   "--physical-batch-size", "4", "--workers", "1", "--cpus-per-worker", "0.5"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    trained = json.loads(result.stdout)
+    code, out, err = vip_here("pretrain", "--stage", "private", "--data", str(output), "--output",
+                              str(tmp_path / "run"), "--steps", "2", "--batch-size", "4", "--physical-batch-size", "4",
+                              "--workers", "1", "--cpus-per-worker", "0.5")
+    assert code == 0, err[-3000:]
+    trained = json.loads(out)
     assert (trained["steps"], trained["dataset_size"]) == (2, own_images["stats"]["kept"])
     [charge] = ledger_book(measure_shards(output).fingerprint).charges()
     assert (charge.steps, charge.purpose) == (2, "pretrain-dp")
@@ -123,16 +122,18 @@ def test_images_in_a_bucket_give_the_same_shards(own_images, s3, tmp_path):
     assert all(sample["json"]["url"].startswith("s3://own-images/photos/") for sample in samples)
 
 
-def test_bad_arguments_of_shards_are_one_line(own_images, tmp_path):
-    cases = [
-        (["--input", str(own_images["folder"])], "--input needs --output"),
+def test_bad_arguments_of_shards_are_one_line(own_images, tmp_path, vip_here):
+    program = _shards("--input", str(own_images["folder"]))  # the program itself, once
+    results = [((program.returncode, program.stdout, program.stderr), "--input needs --output")]
+    for argv, message in [
         (["--input", str(own_images["folder"]), "--check", str(tmp_path)], "not allowed with argument"),
         (["--check", str(tmp_path), "--eval-data", str(tmp_path)], "--eval-data does not go with --check"),
         (["--input", str(tmp_path / "nowhere"), "--output", str(tmp_path / "out")], "does not exist"),
-    ]
-    for argv, message in cases:
-        result = _shards(*argv)
-        assert result.returncode == 2 and result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
+    ]:
+        results.append((vip_here("shards", *argv), message))
+    for (code, _, err), message in results:
+        assert code == 2 and err.count("\n") == 1 and message in err, err
+        assert err.startswith("vip shards: error: ")
     assert not (tmp_path / "out").exists()
 
 
@@ -146,9 +147,9 @@ def test_the_check_names_each_damaged_image_and_exits_1(damaged_shards, distribu
     assert {item["member"]: Path(item["shard"]).name for item in report["damaged"]} == damaged
 
 
-def test_clean_shards_pass_and_a_missing_folder_is_one_line(noise_shards, tmp_path):
+def test_clean_shards_pass_and_a_missing_folder_is_one_line(noise_shards, tmp_path, vip_here):
     result = _check(str(noise_shards(64)))
     assert result.returncode == 0 and json.loads(result.stdout)["damaged"] == []
-    missing = _check(str(tmp_path / "nowhere"))
-    assert missing.returncode == 2 and missing.stderr.count("\n") == 1
-    assert missing.stderr.startswith("vip shards: error: shard folder") and "does not exist" in missing.stderr
+    code, _, err = vip_here("shards", "--check", str(tmp_path / "nowhere"))
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith("vip shards: error: shard folder") and "does not exist" in err
