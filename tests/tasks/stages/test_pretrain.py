@@ -57,7 +57,7 @@ def _private_config():
     # a warm start is told apart from a fresh start by the weights.
     return with_overrides(get_preset("tiny"), {
         "private.num_workers": 2, "private.cpus_per_worker": 0.5, "private.steps": STEPS, "private.batch_size": 32,
-        "private.physical_batch_size": 16, "private.checkpoint_every": 2, "private.seed": 1,
+        "private.physical_batch_size": 16, "private.checkpoint_every": 2, "private.seed": 1, "private.ema_decay": 0.5,
     })
 
 
@@ -100,6 +100,9 @@ def test_published_checkpoint_holds_the_allow_list_only(synthetic, private):
         assert published["step"] == STEPS
         assert all(torch.equal(published["model"][key], value) for key, value in training["model"].items())
     assert load_checkpoint(synthetic["checkpoint"])["ledger"] is None
+    published = load_checkpoint(private["checkpoint"])  # trained with a moving average
+    assert published["ema"].keys() == published["model"].keys()
+    assert not torch.equal(published["ema"]["blocks.0.attn.qkv.weight"], published["model"]["blocks.0.attn.qkv.weight"])
 
 
 def test_rank0_logs_loss_lr_and_throughput_every_step(synthetic):

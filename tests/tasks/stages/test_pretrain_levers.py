@@ -17,7 +17,7 @@ from tests.core.privacy.test_dp_rules import (  # noqa: F401 (fixture)
 from tests.tasks.stages.test_pretrain_augmentation import synthetic_loop_config
 from tests.tasks.stages.test_pretrain_faults import local_ray  # noqa: F401 (fixture: one local Ray of 2 workers)
 from vip_core.config import PRESETS, get_preset, validate_config, with_overrides
-from vip_core.models.checkpoint import PUBLISHED_ENTRIES, CheckpointError, load_checkpoint, load_encoder
+from vip_core.models.checkpoint import CheckpointError, load_checkpoint, load_encoder
 from vip_core.privacy.engine import plan_model, privatized_gradients
 from vip_core.train.augment import apply_crop_flips, draw_crop_flips
 from vip_core.train.data import normalise
@@ -242,7 +242,7 @@ def _stage_config(stage: str, **extra):
 @pytest.fixture(scope="module")
 def ema_runs(local_ray, noise_shards, tmp_path_factory):
     """The synthetic stage with a moving average: uninterrupted, and with rank 1 killed after step 3 (the last
-    checkpoint before it is step 2); and the private stage."""
+    checkpoint before it is step 2). The private stage's moving average is tested in test_pretrain.py."""
     from tasks.stages.pretrain import FAULT_ENV, run_pretrain
 
     data, root = noise_shards(64), tmp_path_factory.mktemp("ema")
@@ -250,14 +250,11 @@ def ema_runs(local_ray, noise_shards, tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(FAULT_ENV, "1:3")
         killed = run_pretrain(_stage_config("synthetic"), "synthetic", data, root / "killed")
-        patch.setenv("VIP_LEDGER_DIR", str(root / "ledgers"))
-        patch.delenv(FAULT_ENV)
-        private = run_pretrain(_stage_config("private"), "private", data, root / "private")
-    return whole, killed, private
+    return whole, killed
 
 
 def test_a_resumed_run_continues_the_moving_average_bit_for_bit(ema_runs):
-    whole, killed, _ = ema_runs
+    whole, killed = ema_runs
     assert killed["resumes"] == 1 and whole["resumes"] == 0
     uninterrupted, resumed = load_checkpoint(whole["checkpoint"]), load_checkpoint(killed["checkpoint"])
     for entry in ("model", "ema"):
@@ -265,20 +262,10 @@ def test_a_resumed_run_continues_the_moving_average_bit_for_bit(ema_runs):
         assert all(torch.equal(resumed[entry][key], uninterrupted[entry][key]) for key in uninterrupted[entry])
 
 
-def test_the_published_checkpoint_holds_the_moving_average_and_nothing_private(ema_runs):
-    _, _, private = ema_runs
-    published = load_checkpoint(private["checkpoint"])
-    assert tuple(published) == PUBLISHED_ENTRIES == ("model", "config", "step", "ledger", "ema")
-    assert published["ema"].keys() == published["model"].keys()
-    moved = [key for key in published["model"] if not torch.equal(published["ema"][key], published["model"][key])]
-    assert "blocks.0.attn.qkv.weight" in moved
-    assert published["ledger"]["steps"] == STEPS
-
-
 def test_evaluation_loads_the_moving_averages_encoder_when_asked(ema_runs, tmp_path):
     from tasks.stages.eval import encoder_builders
 
-    whole, _, _ = ema_runs
+    whole, _ = ema_runs
     published, weight = load_checkpoint(whole["checkpoint"]), "blocks.0.attn.qkv.weight"
     config = validate_config(published["config"])
     for choice, entry in (("ema", "ema"), ("final", "model")):
@@ -294,7 +281,7 @@ def test_evaluation_loads_the_moving_averages_encoder_when_asked(ema_runs, tmp_p
 def test_vip_export_writes_the_moving_average_when_asked_and_refuses_a_checkpoint_without_one(ema_runs, tmp_path):
     from tasks.cli import main
 
-    whole, _, _ = ema_runs
+    whole, _ = ema_runs
     output = tmp_path / "ema.pth"
     assert main(["export", "--checkpoint", whole["checkpoint"], "--format", "timm", "--output", str(output),
                  "--weights", "ema"]) == 0
@@ -311,7 +298,7 @@ def test_vip_export_writes_the_moving_average_when_asked_and_refuses_a_checkpoin
 def test_vip_eval_of_the_ema_of_a_checkpoint_without_one_is_one_line_before_any_job(ema_runs, tmp_path, capsys):
     from tasks.cli import main
 
-    whole, _, _ = ema_runs
+    whole, _ = ema_runs
     without = tmp_path / "checkpoint.pt"
     torch.save({**load_checkpoint(whole["checkpoint"]), "ema": None}, without)
     code = main(["eval", "--task", "linprobe", "--checkpoint", str(without), "--data", str(tmp_path / "images"),
