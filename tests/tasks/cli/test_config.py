@@ -4,38 +4,29 @@ command that builds a config takes a ``--config`` file and ``--set`` settings, a
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 
 import pytest
 import yaml
 
-from tasks.cli import build_parser, main
+from tasks.cli import build_parser
 from vip_core.config import get_preset, resolve_config, validate_config, with_overrides
 
 CONFIG_COMMANDS = [("render",), ("ingest",), ("eval",), ("eval-data",), ("pretrain",), ("audit",), ("shards",),
                    ("config", "show")]
 
 
-def _vip(*argv: str) -> tuple[int, str]:
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = main(list(argv))
-    return code, out.getvalue()
-
-
 @pytest.mark.parametrize("preset", ["tiny", "vip-base-paper"])
-def test_config_show_prints_yaml_that_loads_back_as_exactly_the_preset(preset):
-    code, out = _vip("config", "show", "--preset", preset)
+def test_config_show_prints_yaml_that_loads_back_as_exactly_the_preset(preset, vip_here):
+    code, out, _ = vip_here("config", "show", "--preset", preset)
     assert code == 0
     assert validate_config(yaml.safe_load(out)) == get_preset(preset)
 
 
-def test_a_shown_config_edited_and_passed_back_is_the_edited_config(tmp_path):
-    _, out = _vip("config", "show", "--preset", "tiny")
+def test_a_shown_config_edited_and_passed_back_is_the_edited_config(tmp_path, vip_here):
+    _, out, _ = vip_here("config", "show", "--preset", "tiny")
     path = tmp_path / "my.yaml"
     path.write_text(out.replace("target_epsilon: 8.0", "target_epsilon: 4", 1))
-    code, again = _vip("config", "show", "--config", str(path), "--set", "private.steps=12")
+    code, again, _ = vip_here("config", "show", "--config", str(path), "--set", "private.steps=12")
     assert code == 0
     expected = with_overrides(get_preset("tiny"), {"privacy.target_epsilon": 4.0, "private.steps": 12})
     assert validate_config(yaml.safe_load(again)) == expected
@@ -50,18 +41,18 @@ def test_a_shown_config_edited_and_passed_back_is_the_edited_config(tmp_path):
     (["--config", "/nonexistent/my.yaml"],
      "vip config: error: config file /nonexistent/my.yaml: cannot be read (No such file or directory)"),
 ])
-def test_a_wrong_field_value_setting_or_file_is_one_line_and_exit_code_2(argv, message, capsys):
-    code, out = _vip("config", "show", *argv)
+def test_a_wrong_field_value_setting_or_file_is_one_line_and_exit_code_2(argv, message, vip_here):
+    code, out, err = vip_here("config", "show", *argv)
     assert code == 2 and out == ""
-    assert capsys.readouterr().err == message + "\n"
+    assert err == message + "\n"
 
 
-def test_vip_pretrain_refuses_a_wrong_field_in_one_line_before_training(tmp_path, capsys):
-    code, _ = _vip("pretrain", "--stage", "private", "--data", str(tmp_path), "--output", str(tmp_path / "out"),
-                   "--set", "privacy.target_epsilonn=4")
+def test_vip_pretrain_refuses_a_wrong_field_in_one_line_before_training(tmp_path, vip_here):
+    code, _, err = vip_here("pretrain", "--stage", "private", "--data", str(tmp_path), "--output",
+                            str(tmp_path / "out"), "--set", "privacy.target_epsilonn=4")
     assert code == 2 and not (tmp_path / "out").exists()
-    assert capsys.readouterr().err == ("vip pretrain: error: unknown config field privacy.target_epsilonn "
-                                       "(did you mean privacy.target_epsilon?)\n")
+    assert err == ("vip pretrain: error: unknown config field privacy.target_epsilonn "
+                   "(did you mean privacy.target_epsilon?)\n")
 
 
 @pytest.mark.parametrize("command", CONFIG_COMMANDS, ids=" ".join)

@@ -33,29 +33,20 @@ def test_export_writes_the_file_and_its_card_and_prints_them(checkpoint, tmp_pat
     assert json.loads((tmp_path / "vip.json").read_text())["privacy"]["sample_rate"] == 0.25
 
 
-def _exit_code(argv: list[str]) -> int:
-    """``vip``'s exit code, whether the handler returns it or argparse exits."""
-    try:
-        return main(argv)
-    except SystemExit as stop:
-        return int(stop.code)
-
-
 @pytest.mark.parametrize(("case", "message"), [
     ("missing", "vip export: error: checkpoint not found"),
     ("released", "not a vip checkpoint"),
     ("format", "argument --format: invalid choice: 'onnx'"),
     ("exists", "exists: choose another --output"),
 ])
-def test_bad_input_is_one_line_and_exit_code_2(checkpoint, tmp_path, capsys, case, message):
+def test_bad_input_is_one_line_and_exit_code_2(checkpoint, tmp_path, vip_here, case, message):
     folder, _ = checkpoint
     torch.save({"model": {"cls_token": torch.zeros(1, 1, 64)}}, tmp_path / "released.pth")
     (tmp_path / "taken.pth").write_bytes(b"kept")
     source = {"missing": tmp_path / "nowhere", "released": tmp_path / "released.pth"}.get(case, folder)
     output = tmp_path / ("taken.pth" if case == "exists" else "out.pth")
-    argv = ["export", "--checkpoint", str(source), "--format", "onnx" if case == "format" else "timm",
-            "--output", str(output)]
-    assert _exit_code(argv) == 2
-    error = capsys.readouterr().err
+    code, _, error = vip_here("export", "--checkpoint", str(source), "--format",
+                              "onnx" if case == "format" else "timm", "--output", str(output))
+    assert code == 2
     assert error.count("\n") == 1 and message in error
     assert (tmp_path / "taken.pth").read_bytes() == b"kept" and not (tmp_path / "out.pth").exists()

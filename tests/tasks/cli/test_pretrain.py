@@ -3,13 +3,9 @@ setting reaches the training: the private stage spends the ε it names."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 
 import pytest
-
-from tasks.cli import main
 
 
 @pytest.fixture(scope="module")
@@ -17,34 +13,29 @@ def shards(noise_shards):
     return noise_shards(96)
 
 
-def _vip(*argv: str) -> tuple[int, str]:
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = main(list(argv))
-    return code, out.getvalue()
-
-
-def test_bad_input_is_one_line_and_exit_code_2(shards, tmp_path, capsys):
+def test_bad_input_is_one_line_and_exit_code_2(shards, tmp_path, vip_here):
     cases = [
         (["--data", str(tmp_path / "missing")], "does not exist"),
         (["--data", str(shards), "--batch-size", "500"], "exceeds the 96 images"),
     ]
     for extra, message in cases:
-        code, _ = _vip("pretrain", "--stage", "synthetic", "--output", str(tmp_path / "o"), *extra)
-        err = capsys.readouterr().err.strip()
+        code, _, err = vip_here("pretrain", "--stage", "synthetic", "--output", str(tmp_path / "o"), *extra)
+        err = err.strip()
         assert code == 2 and len(err.splitlines()) == 1 and message in err, err
     (tmp_path / "busy" / "ray" / "pretrain-syn").mkdir(parents=True)
-    code, _ = _vip("pretrain", "--stage", "synthetic", "--data", str(shards), "--output", str(tmp_path / "busy"))
-    assert code == 2 and "pass --resume" in capsys.readouterr().err
+    code, _, err = vip_here("pretrain", "--stage", "synthetic", "--data", str(shards), "--output",
+                            str(tmp_path / "busy"))
+    assert code == 2 and "pass --resume" in err
 
 
 
 
-def test_a_setting_gives_the_private_stage_its_epsilon(shards, tmp_path):
+def test_a_setting_gives_the_private_stage_its_epsilon(shards, tmp_path, vip_here):
     output = tmp_path / "private"
-    code, out = _vip("pretrain", "--stage", "private", "--data", str(shards), "--output", str(output),
-                     "--workers", "1", "--cpus-per-worker", "0.5", "--steps", "2", "--batch-size", "32",
-                     "--physical-batch-size", "16", "--checkpoint-every", "2", "--set", "privacy.target_epsilon=4")
+    code, out, _ = vip_here("pretrain", "--stage", "private", "--data", str(shards), "--output", str(output),
+                            "--workers", "1", "--cpus-per-worker", "0.5", "--steps", "2", "--batch-size", "32",
+                            "--physical-batch-size", "16", "--checkpoint-every", "2",
+                            "--set", "privacy.target_epsilon=4")
     assert code == 0
     result = json.loads(out)
     assert 3.8 < result["epsilon"] <= 4.0, result  # σ is calibrated to 0.1 %: ε just below the target
