@@ -3,8 +3,8 @@
 Each sub-command lives in ``tasks/cli/<name>.py`` and defines ``register(subparsers)``, which adds its
 parser (with the shared options of ``tasks/cli/options.py``) and a handler ``function(args) -> int``.
 A handler parses, calls one stage function and prints one JSON object on stdout where the command
-reports a result. A bad argument or bad input exits with code 2 and one line on stderr that names the
-problem, never a traceback.
+reports a result (:func:`report`); while it runs, whatever else prints on stdout goes to stderr. A bad argument or
+bad input exits with code 2 and one line on stderr that names the problem, never a traceback.
 
 Run as a program, the commands that start processes (Ray, renderers, img2dataset) run supervised
 (:mod:`tasks.runtime.stopping`): Ctrl-C stops them and all they started within seconds, with one line saying
@@ -15,10 +15,11 @@ so first and asks before a run far beyond a CPU demo on a machine without a GPU 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import sys
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence, TextIO
 
 from tasks.runtime.environment import configure_environment
 from tasks.runtime.stopping import INTERRUPTED, is_supervised, kept_work, run_supervised
@@ -64,7 +65,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 def print_json(payload: dict[str, Any]) -> None:
     """The one JSON object a command reports, on stdout."""
-    print(json.dumps(payload, sort_keys=False), flush=True)
+    report(json.dumps(payload, sort_keys=False))
+
+
+# The program's stdout while a command runs: only what the command reports goes there.
+_REPORTS: list[TextIO] = []
+
+
+def report(text: str, end: str = "\n") -> None:
+    """Writes what the command reports (its JSON object, or its lines) on stdout."""
+    sink = _REPORTS[-1] if _REPORTS else sys.stdout
+    sink.write(text + end)
+    sink.flush()
+
+
+@contextlib.contextmanager
+def _stdout_for_reports() -> Iterator[None]:
+    """Sends whatever else prints on stdout to stderr while a command runs: Ray's driver prints its workers'
+    errors (a killed worker's, say) on stdout, which would break the command's one JSON object."""
+    _REPORTS.append(sys.stdout)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        _REPORTS.pop()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -77,7 +101,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if as_program and args.command in SUPERVISED_COMMANDS and not is_supervised():
             return _supervise(args, argv)
-        code = args.handler(args)
+        with _stdout_for_reports():
+            code = args.handler(args)
     except (UsageError, ValueError, FileNotFoundError) as error:
         print(f"vip {args.command}: error: {first_line(error)}", file=sys.stderr)
         return 2

@@ -260,10 +260,10 @@ def handle_ingest(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace, result: dict, lines: list[str]) -> int:
-    from tasks.cli import print_json
+    from tasks.cli import print_json, report
 
     if args.json:
         print_json(result)
     else:
-        print("\n".join(lines))
+        report("\n".join(lines))
     return 0

@@ -24,7 +24,8 @@ def register(subparsers: Any) -> None:
 
 
 def handle_show(args: argparse.Namespace) -> int:
+    from tasks.cli import report
     from vip_core.config import config_yaml
 
-    print(config_yaml(config_from(args)), end="", flush=True)
+    report(config_yaml(config_from(args)), end="")
     return 0

@@ -30,7 +30,8 @@ CLI_INTRO = """\
 This page lists every `vip` command and option, as `vip <command> --help` prints them. `vip` (`tasks/cli/`) runs
 one stage, or a benchmark, in this process on explicit paths, without Prefect; the make targets run the same stage
 functions inside the flows (`docs/pipeline.md`). A command prints one JSON object on stdout where it reports a
-result; a bad argument or bad input is one line on stderr (`vip CMD: error: ...`) and exit code 2.
+result, and nothing else there (what a library such as Ray prints goes to stderr); a bad argument or bad input is
+one line on stderr (`vip CMD: error: ...`) and exit code 2.
 
 The shared options are spelled the same way everywhere (`tasks/cli/options.py`): `--preset NAME` (checked while
 parsing), `--output DIR` (the folder the command writes; required: a command never guesses a folder), `--data DIR`
