@@ -1,6 +1,7 @@
 """``vip shards``: ``--input`` turns a researcher's folder (or bucket) of images into shards, counting every bad
-file and removing duplicates and evaluation images, that ``vip pretrain`` trains on; a re-run resumes or refuses in
-one line. ``--check DIR``: the damaged images named, in this process and on a local Ray; exit codes."""
+file and removing duplicates and evaluation images, that ``vip pretrain`` trains on, spending the ε a ``--set``
+names; a re-run resumes or refuses in one line. ``--check DIR``: the damaged images named, in this process and on a
+local Ray; exit codes."""
 
 from __future__ import annotations
 
@@ -32,9 +33,13 @@ def _shards(*argv: str, env: dict[str, str] | None = None) -> subprocess.Complet
                           env={**os.environ, **(env or {})})
 
 
-def _stats(result: subprocess.CompletedProcess) -> dict:
-    assert result.returncode == 0, result.stderr[-2000:]
-    return {key: value for key, value in json.loads(result.stdout).items() if key not in ("output", "shards")}
+def _outcome(result: subprocess.CompletedProcess) -> tuple[int, str, str]:
+    return result.returncode, result.stdout, result.stderr
+
+
+def _stats(code: int, out: str, err: str) -> dict:
+    assert code == 0, err[-2000:]
+    return {key: value for key, value in json.loads(out).items() if key not in ("output", "shards")}
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +53,7 @@ def written(own_images, tmp_path_factory):
 
 def test_own_images_become_shards_without_bad_files_duplicates_or_evaluation_images(own_images, written):
     output, result = written
-    assert _stats(result) == own_images["stats"]
+    assert _stats(*_outcome(result)) == own_images["stats"]
     assert json.loads((output / "stats.json").read_text()) == own_images["stats"]
     samples = list(iter_samples(list_shards(output, "web")))
     assert {sample["json"]["path"] for sample in samples} == own_images["kept"]
@@ -62,59 +67,65 @@ def test_own_images_become_shards_without_bad_files_duplicates_or_evaluation_ima
     assert manifest["moved-away.jpg"]["reason"] == "unreadable" and ".DS_Store" not in manifest
 
 
-def test_pretraining_reads_the_shards_and_charges_their_ledger(own_images, written, tmp_path, vip_here):
+def test_pretraining_reads_the_shards_spends_the_epsilon_set_and_charges_their_ledger(own_images, written, tmp_path,
+                                                                                      vip_here):
     output, _ = written
     code, out, err = vip_here("pretrain", "--stage", "private", "--data", str(output), "--output",
                               str(tmp_path / "run"), "--steps", "2", "--batch-size", "4", "--physical-batch-size", "4",
-                              "--workers", "1", "--cpus-per-worker", "0.5")
+                              "--workers", "1", "--cpus-per-worker", "0.5", "--set", "privacy.target_epsilon=4")
     assert code == 0, err[-3000:]
     trained = json.loads(out)
     assert (trained["steps"], trained["dataset_size"]) == (2, own_images["stats"]["kept"])
+    assert 3.8 < trained["epsilon"] <= 4.0, trained  # σ is calibrated to 0.1 %: ε just below the target
+    saved = json.loads((tmp_path / "run" / "result.json").read_text())["config"]
+    assert saved["privacy"]["target_epsilon"] == 4.0 and saved["private"]["steps"] == 2
     [charge] = ledger_book(measure_shards(output).fingerprint).charges()
     assert (charge.steps, charge.purpose) == (2, "pretrain-dp")
 
 
-def test_a_rerun_returns_the_counts_and_changed_images_are_refused_in_one_line(own_images, written, tmp_path):
+def test_a_rerun_returns_the_counts_and_changed_images_are_refused_in_one_line(own_images, written, tmp_path,
+                                                                              vip_here):
     output, first = written
     shards = {path: path.stat().st_mtime_ns for path in list_shards(output, "web")}
-    assert _stats(_shards("--input", str(own_images["folder"]), "--output", str(output),
-                          "--eval-data", str(own_images["eval_data"]))) == own_images["stats"]
+    assert _stats(*vip_here("shards", "--input", str(own_images["folder"]), "--output", str(output),
+                            "--eval-data", str(own_images["eval_data"]))) == own_images["stats"]
     changed = tmp_path / "photos"
     subprocess.run(["cp", "-a", str(own_images["folder"]), str(changed)], check=True)
     (changed / "2024" / "IMG_0001 (2).jpg").write_bytes((changed / "2023" / "IMG_0002.jpg").read_bytes())
-    refused = _shards("--input", str(changed), "--output", str(output), "--eval-data", str(own_images["eval_data"]))
-    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
-    assert refused.stderr.startswith("vip shards: error: ") and "choose another output folder" in refused.stderr
+    code, _, err = vip_here("shards", "--input", str(changed), "--output", str(output),
+                            "--eval-data", str(own_images["eval_data"]))
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("vip shards: error: ") and "choose another output folder" in err
     assert {path: path.stat().st_mtime_ns for path in list_shards(output, "web")} == shards
     assert json.loads((output / "stats.json").read_text()) == own_images["stats"]
 
 
-def test_a_run_killed_while_judging_resumes_to_the_same_shards(own_images, written, tmp_path):
+def test_a_run_killed_while_judging_resumes_to_the_same_shards(own_images, written, tmp_path, vip_here):
     arguments = ["--input", str(own_images["folder"]), "--output", str(tmp_path / "out"),
                  "--eval-data", str(own_images["eval_data"]), "--samples-per-shard", "4"]
     killed = _shards(*arguments, env={FAULT_ENV: "1"})
     assert killed.returncode == 128 + 9 and not (tmp_path / "out" / "stats.json").exists()  # its worker SIGKILLed
-    assert _stats(_shards(*arguments)) == own_images["stats"]
+    assert _stats(*vip_here("shards", *arguments)) == own_images["stats"]
     resumed = sorted(sample["json"]["path"] for sample in iter_samples(list_shards(tmp_path / "out", "web")))
     assert resumed == sorted(own_images["kept"])
 
 
-def test_ray_tasks_give_the_same_shards_and_counts(own_images, written, tmp_path):
+def test_ray_tasks_give_the_same_shards_and_counts(own_images, written, tmp_path, vip_here):
     output, _ = written
-    stats = _stats(_shards("--input", str(own_images["folder"]), "--output", str(tmp_path / "out"),
-                           "--eval-data", str(own_images["eval_data"]), "--distributor", "ray"))
+    stats = _stats(*vip_here("shards", "--input", str(own_images["folder"]), "--output", str(tmp_path / "out"),
+                             "--eval-data", str(own_images["eval_data"]), "--distributor", "ray"))
     assert stats == own_images["stats"]
     assert [path.read_bytes() for path in list_shards(tmp_path / "out", "web")] == [
         path.read_bytes() for path in list_shards(output, "web")]
 
 
-def test_images_in_a_bucket_give_the_same_shards(own_images, s3, tmp_path):
+def test_images_in_a_bucket_give_the_same_shards(own_images, s3, tmp_path, vip_here):
     s3.mkdir("own-images")
     for path in own_images["folder"].rglob("*"):
         if path.is_file():
             s3.put_file(str(path), f"own-images/photos/{path.relative_to(own_images['folder']).as_posix()}")
-    stats = _stats(_shards("--input", "s3://own-images/photos", "--output", str(tmp_path / "out"),
-                           "--eval-data", str(own_images["eval_data"])))
+    stats = _stats(*vip_here("shards", "--input", "s3://own-images/photos", "--output", str(tmp_path / "out"),
+                             "--eval-data", str(own_images["eval_data"])))
     failed = {reason: count for reason, count in own_images["stats"]["failed"].items() if reason != "unreadable"}
     assert stats == {**own_images["stats"], "input": 12, "failed": failed}
     samples = list(iter_samples(list_shards(tmp_path / "out", "web")))
@@ -138,11 +149,11 @@ def test_bad_arguments_of_shards_are_one_line(own_images, tmp_path, vip_here):
 
 
 @pytest.mark.parametrize("distributor", ["multiprocessing", "ray"])
-def test_the_check_names_each_damaged_image_and_exits_1(damaged_shards, distributor):
+def test_the_check_names_each_damaged_image_and_exits_1(damaged_shards, distributor, vip_here):
     folder, damaged = damaged_shards
-    result = _check(str(folder), "--distributor", distributor)
-    assert result.returncode == 1, result.stderr[-2000:]
-    report = json.loads(result.stdout)
+    code, out, err = vip_here("shards", "--check", str(folder), "--distributor", distributor)
+    assert code == 1, err[-2000:]
+    report = json.loads(out)
     assert (report["shards"], report["images"], report["unreadable"], report["ok"]) == (2, 64, [], False)
     assert {item["member"]: Path(item["shard"]).name for item in report["damaged"]} == damaged
 

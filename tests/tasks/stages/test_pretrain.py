@@ -1,5 +1,6 @@
 """Pre-training on a real local Ray with two workers of half a CPU: the synthetic stage through ``vip
-pretrain``, the private stage warm-started from it, ε per step in MLflow, checkpoints, and bad input."""
+pretrain``, the private stage warm-started from it, ε per step in MLflow, checkpoints, the moving average (continued
+bit for bit across a killed worker, its weights in evaluation and export), and bad input."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import pytest
 import torch
 
 from tasks.cli import main
-from vip_core.config import get_preset, with_overrides
-from vip_core.models.checkpoint import PUBLISHED_ENTRIES, load_checkpoint
+from vip_core.config import get_preset, validate_config, with_overrides
+from vip_core.models.checkpoint import PUBLISHED_ENTRIES, CheckpointError, load_checkpoint, load_encoder
 from vip_core.models.mae import build_mae
 from vip_core.privacy.accounting import compute_epsilon
 
@@ -44,12 +45,26 @@ def _vip(*argv: str) -> tuple[int, dict | None]:
     return code, (json.loads(out.getvalue()) if out.getvalue().strip() else None)
 
 
-@pytest.fixture(scope="module")
-def synthetic(local_ray, shards, tmp_path_factory):
-    output = tmp_path_factory.mktemp("syn") / "out"
-    code, result = _vip("pretrain", "--stage", "synthetic", "--data", str(shards), "--output", str(output), *STAGE_FLAGS)
+def _synthetic_run(shards, output) -> dict:
+    code, result = _vip("pretrain", "--stage", "synthetic", "--data", str(shards), "--output", str(output),
+                        *STAGE_FLAGS, "--set", "synthetic.ema_decay=0.5")
     assert code == 0
     return result
+
+
+@pytest.fixture(scope="module")
+def synthetic(local_ray, shards, tmp_path_factory):
+    return _synthetic_run(shards, tmp_path_factory.mktemp("syn") / "out")
+
+
+@pytest.fixture(scope="module")
+def synthetic_killed(local_ray, shards, tmp_path_factory):
+    """The synthetic stage again, rank 1 killed after step 3 (the last checkpoint before it is step 2)."""
+    from tasks.stages.pretrain import FAULT_ENV
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(FAULT_ENV, "1:3")
+        return _synthetic_run(shards, tmp_path_factory.mktemp("syn-killed") / "out")
 
 
 def _private_config():
@@ -104,6 +119,13 @@ def test_published_checkpoint_holds_the_allow_list_only(synthetic, private):
     assert published["ema"].keys() == published["model"].keys()
     assert not torch.equal(published["ema"]["blocks.0.attn.qkv.weight"], published["model"]["blocks.0.attn.qkv.weight"])
 
+
+def test_a_resumed_run_continues_the_weights_and_moving_average_bit_for_bit(synthetic, synthetic_killed):
+    assert synthetic_killed["resumes"] == 1 and synthetic["resumes"] == 0
+    uninterrupted, resumed = load_checkpoint(synthetic["checkpoint"]), load_checkpoint(synthetic_killed["checkpoint"])
+    for entry in ("model", "ema"):
+        assert resumed[entry].keys() == uninterrupted[entry].keys()
+        assert all(torch.equal(resumed[entry][key], uninterrupted[entry][key]) for key in uninterrupted[entry])
 
 def test_rank0_logs_loss_lr_and_throughput_every_step(synthetic):
     for key in ("train/loss", "train/lr", "train/images_per_s"):
@@ -172,9 +194,50 @@ def test_a_finished_stage_is_not_trained_again(local_ray, shards, synthetic):
     config = with_overrides(get_preset("tiny"), {
         "synthetic.num_workers": 2, "synthetic.cpus_per_worker": 0.5, "synthetic.steps": STEPS,
         "synthetic.batch_size": 32, "synthetic.physical_batch_size": 16, "synthetic.checkpoint_every": 2,
+        "synthetic.ema_decay": 0.5,
     })
     again = run_pretrain(config, "synthetic", shards, output)
     assert again["skipped"] is True and again["checkpoint"] == synthetic["checkpoint"]
+
+
+def test_evaluation_loads_the_moving_averages_encoder_when_asked(private, tmp_path):
+    from tasks.stages.eval import encoder_builders
+
+    published, weight = load_checkpoint(private["checkpoint"]), "blocks.0.attn.qkv.weight"
+    config = validate_config(published["config"])
+    for choice, entry in (("ema", "ema"), ("final", "model")):
+        chosen = with_overrides(config, {"evaluation.encoder_weights": choice})
+        encoder = encoder_builders(chosen, config.model, private["checkpoint"])["result"]()
+        assert torch.equal(encoder.state_dict()[weight], published[entry][weight])
+    without = tmp_path / "checkpoint.pt"
+    torch.save({**published, "ema": None}, without)
+    with pytest.raises(CheckpointError, match=r"holds no EMA weights \(train with ema_decay > 0\)"):
+        load_encoder(without, weights="ema")
+
+
+def test_vip_export_writes_the_moving_average_when_asked_and_refuses_a_checkpoint_without_one(private, tmp_path):
+    output = tmp_path / "ema.pth"
+    assert main(["export", "--checkpoint", private["checkpoint"], "--format", "timm", "--output", str(output),
+                 "--weights", "ema"]) == 0
+    exported, published = torch.load(output, weights_only=True), load_checkpoint(private["checkpoint"])
+    assert torch.equal(exported["blocks.0.attn.qkv.weight"], published["ema"]["blocks.0.attn.qkv.weight"])
+    assert "moving average" in output.with_suffix(".md").read_text()
+    without = tmp_path / "without.pt"
+    torch.save({**published, "ema": None}, without)
+    assert main(["export", "--checkpoint", str(without), "--format", "timm", "--output", str(tmp_path / "no.pth"),
+                 "--weights", "ema"]) == 2
+    assert not (tmp_path / "no.pth").exists()
+
+
+def test_vip_eval_of_the_ema_of_a_checkpoint_without_one_is_one_line_before_any_job(private, tmp_path, capsys):
+    without = tmp_path / "checkpoint.pt"
+    torch.save({**load_checkpoint(private["checkpoint"]), "ema": None}, without)
+    code = main(["eval", "--task", "linprobe", "--checkpoint", str(without), "--data", str(tmp_path / "images"),
+                 "--output", str(tmp_path / "out"), "--set", "evaluation.encoder_weights=ema"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith("vip eval: error: ") and "holds no EMA weights (train with ema_decay > 0)" in err
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
 """The recipe levers of the pre-training stages and the privacy rules each keeps: augmentation multiplicity (K views
 averaged inside one image's loss: one clipped contribution per image), trainable position embeddings (clipped like
-every parameter), the moving average of the weights (published with the checkpoint, continued across a resume);
-and the defaults, which take exactly the steps a run without the levers takes."""
+every parameter); and the defaults, which take exactly the steps a run without the levers takes. The moving average
+of the weights is tested on the runs of test_pretrain.py and test_pretrain_faults.py."""
 
 from __future__ import annotations
 
@@ -15,9 +15,7 @@ from tests.core.privacy.test_dp_rules import (  # noqa: F401 (fixture)
     one_at_a_time_clipped_sum, shards, tiny_config, worker_loop_config,
 )
 from tests.tasks.stages.test_pretrain_augmentation import synthetic_loop_config
-from tests.tasks.stages.test_pretrain_faults import local_ray  # noqa: F401 (fixture: one local Ray of 2 workers)
 from vip_core.config import PRESETS, get_preset, validate_config, with_overrides
-from vip_core.models.checkpoint import CheckpointError, load_checkpoint, load_encoder
 from vip_core.privacy.engine import plan_model, privatized_gradients
 from vip_core.train.augment import apply_crop_flips, draw_crop_flips
 from vip_core.train.data import normalise
@@ -226,84 +224,3 @@ def test_a_resume_with_the_position_embeddings_flipped_is_refused_naming_the_fie
     # that resume fails at the optimiser's load; the setting the run started with is still accepted afterwards
     assert "train_pos_embed" not in stage_plan(config, "private", measure_shards(shards), tmp_path, continuing=True)
 
-
-# ------------------------------------------------------------------------------------------------ moving average
-
-
-STEPS = 4
-EMA = {"ema_decay": 0.5, "num_workers": 2, "cpus_per_worker": 0.5, "steps": STEPS, "batch_size": 16,
-       "physical_batch_size": 16, "checkpoint_every": 2}
-
-
-def _stage_config(stage: str, **extra):
-    return with_overrides(tiny_config(), {f"{stage}.{key}": value for key, value in {**EMA, **extra}.items()})
-
-
-@pytest.fixture(scope="module")
-def ema_runs(local_ray, noise_shards, tmp_path_factory):
-    """The synthetic stage with a moving average: uninterrupted, and with rank 1 killed after step 3 (the last
-    checkpoint before it is step 2). The private stage's moving average is tested in test_pretrain.py."""
-    from tasks.stages.pretrain import FAULT_ENV, run_pretrain
-
-    data, root = noise_shards(64), tmp_path_factory.mktemp("ema")
-    whole = run_pretrain(_stage_config("synthetic"), "synthetic", data, root / "whole")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(FAULT_ENV, "1:3")
-        killed = run_pretrain(_stage_config("synthetic"), "synthetic", data, root / "killed")
-    return whole, killed
-
-
-def test_a_resumed_run_continues_the_moving_average_bit_for_bit(ema_runs):
-    whole, killed = ema_runs
-    assert killed["resumes"] == 1 and whole["resumes"] == 0
-    uninterrupted, resumed = load_checkpoint(whole["checkpoint"]), load_checkpoint(killed["checkpoint"])
-    for entry in ("model", "ema"):
-        assert resumed[entry].keys() == uninterrupted[entry].keys()
-        assert all(torch.equal(resumed[entry][key], uninterrupted[entry][key]) for key in uninterrupted[entry])
-
-
-def test_evaluation_loads_the_moving_averages_encoder_when_asked(ema_runs, tmp_path):
-    from tasks.stages.eval import encoder_builders
-
-    whole, _ = ema_runs
-    published, weight = load_checkpoint(whole["checkpoint"]), "blocks.0.attn.qkv.weight"
-    config = validate_config(published["config"])
-    for choice, entry in (("ema", "ema"), ("final", "model")):
-        chosen = with_overrides(config, {"evaluation.encoder_weights": choice})
-        encoder = encoder_builders(chosen, config.model, whole["checkpoint"])["result"]()
-        assert torch.equal(encoder.state_dict()[weight], published[entry][weight])
-    without = tmp_path / "checkpoint.pt"
-    torch.save({**published, "ema": None}, without)
-    with pytest.raises(CheckpointError, match=r"holds no EMA weights \(train with ema_decay > 0\)"):
-        load_encoder(without, weights="ema")
-
-
-def test_vip_export_writes_the_moving_average_when_asked_and_refuses_a_checkpoint_without_one(ema_runs, tmp_path):
-    from tasks.cli import main
-
-    whole, _ = ema_runs
-    output = tmp_path / "ema.pth"
-    assert main(["export", "--checkpoint", whole["checkpoint"], "--format", "timm", "--output", str(output),
-                 "--weights", "ema"]) == 0
-    exported, published = torch.load(output, weights_only=True), load_checkpoint(whole["checkpoint"])
-    assert torch.equal(exported["blocks.0.attn.qkv.weight"], published["ema"]["blocks.0.attn.qkv.weight"])
-    assert "moving average" in output.with_suffix(".md").read_text()
-    without = tmp_path / "without.pt"
-    torch.save({**published, "ema": None}, without)
-    assert main(["export", "--checkpoint", str(without), "--format", "timm", "--output", str(tmp_path / "no.pth"),
-                 "--weights", "ema"]) == 2
-    assert not (tmp_path / "no.pth").exists()
-
-
-def test_vip_eval_of_the_ema_of_a_checkpoint_without_one_is_one_line_before_any_job(ema_runs, tmp_path, capsys):
-    from tasks.cli import main
-
-    whole, _ = ema_runs
-    without = tmp_path / "checkpoint.pt"
-    torch.save({**load_checkpoint(whole["checkpoint"]), "ema": None}, without)
-    code = main(["eval", "--task", "linprobe", "--checkpoint", str(without), "--data", str(tmp_path / "images"),
-                 "--output", str(tmp_path / "out"), "--set", "evaluation.encoder_weights=ema"])
-    err = capsys.readouterr().err
-    assert code == 2 and err.count("\n") == 1
-    assert err.startswith("vip eval: error: ") and "holds no EMA weights (train with ema_decay > 0)" in err
-    assert not (tmp_path / "out").exists()
