@@ -1,6 +1,7 @@
 """Pre-training on a real local Ray with two workers of half a CPU: the synthetic stage through ``vip
-pretrain``, the private stage warm-started from it, ε per step in MLflow, checkpoints, the moving average (continued
-bit for bit across a killed worker, its weights in evaluation and export), and bad input."""
+pretrain``, the private stage warm-started from it (its ε composed with an earlier run's on the data set, per step in
+MLflow), checkpoints, the moving average (continued bit for bit across a killed worker, its weights in evaluation and
+export), and bad input."""
 
 from __future__ import annotations
 
@@ -17,9 +18,11 @@ from vip_core.config import get_preset, validate_config, with_overrides
 from vip_core.models.checkpoint import PUBLISHED_ENTRIES, CheckpointError, load_checkpoint, load_encoder
 from vip_core.models.mae import build_mae
 from vip_core.privacy.accounting import compute_epsilon
+from vip_core.privacy.ledger import Charge
 
 IMAGES = 96
 STEPS = 4
+EARLIER_RUN = Charge("an-earlier-run", 2.0, 0.25, 10, "dp-finetune")  # σ, q, steps, purpose
 STAGE_FLAGS = ["--workers", "2", "--cpus-per-worker", "0.5", "--steps", str(STEPS), "--batch-size", "32",
                "--physical-batch-size", "16", "--checkpoint-every", "2"]
 
@@ -78,8 +81,13 @@ def _private_config():
 
 @pytest.fixture(scope="module")
 def private(local_ray, shards, synthetic, tmp_path_factory):
-    from tasks.stages.pretrain import run_pretrain
+    """The private stage, warm-started from the synthetic one, on a data set whose ledger holds an earlier run."""
+    from tasks.stages.pretrain import ledger_book, run_pretrain
+    from vip_core.train.data import measure_shards
 
+    book = ledger_book(measure_shards(shards).fingerprint)
+    with book.locked():
+        book.charge(EARLIER_RUN)
     output = tmp_path_factory.mktemp("dp") / "out"
     return run_pretrain(_private_config(), "private", shards, output, init_checkpoint=synthetic["checkpoint"])
 
@@ -127,6 +135,7 @@ def test_a_resumed_run_continues_the_weights_and_moving_average_bit_for_bit(synt
         assert resumed[entry].keys() == uninterrupted[entry].keys()
         assert all(torch.equal(resumed[entry][key], uninterrupted[entry][key]) for key in uninterrupted[entry])
 
+
 def test_rank0_logs_loss_lr_and_throughput_every_step(synthetic):
     for key in ("train/loss", "train/lr", "train/images_per_s"):
         history = _metric(synthetic["mlflow_run_id"], key)
@@ -134,46 +143,34 @@ def test_rank0_logs_loss_lr_and_throughput_every_step(synthetic):
     assert all(value > 0 for _, value in _metric(synthetic["mlflow_run_id"], "train/loss"))
 
 
-def test_private_stage_spends_the_planned_epsilon_and_logs_it_every_step(private):
+def test_private_stage_spends_the_planned_epsilon_with_the_earlier_run_and_logs_it_every_step(private, shards,
+                                                                                                  module_privacy_ledgers):
+    from vip_core.privacy.ledger import LedgerBook
+    from vip_core.train.data import measure_shards
+
     assert private["steps"] == STEPS and not private["stopped_by_budget"]
-    expected = compute_epsilon(
-        noise_multiplier=private["noise_multiplier"], sample_rate=private["sample_rate"], steps=STEPS,
-        delta=private["delta"], accountant=get_preset("tiny").privacy.accountant,
-    )
-    assert math.isclose(private["epsilon"], expected, rel_tol=1e-9)
-    assert private["epsilon"] <= 8.0
+    alone = compute_epsilon(noise_multiplier=private["noise_multiplier"], sample_rate=private["sample_rate"],
+                            steps=STEPS, delta=private["delta"], accountant=get_preset("tiny").privacy.accountant)
+    book = LedgerBook.for_data_set(measure_shards(shards).fingerprint, module_privacy_ledgers)
+    composed = book.epsilon(delta=private["delta"], accountant="pld")
+    assert math.isclose(private["epsilon"], composed, rel_tol=1e-9) and alone < composed <= 8.0
+    [ours] = [charge for charge in book.charges() if charge.run != EARLIER_RUN.run]
+    assert (ours.steps, ours.purpose) == (STEPS, "pretrain-dp")
     history = _metric(private["mlflow_run_id"], "privacy/epsilon")
     assert [step for step, _ in history] == list(range(1, STEPS + 1))
     assert all(a < b for (_, a), (_, b) in zip(history, history[1:]))
     assert math.isclose(history[-1][1], private["epsilon"])
     ledger = load_checkpoint(private["checkpoint"])["ledger"]
     assert ledger["steps"] == STEPS and ledger["noise_multiplier"] == private["noise_multiplier"]
-    assert ledger["epsilon"] == pytest.approx(private["epsilon"]) and ledger["composed_with"] == []
+    assert ledger["epsilon"] == pytest.approx(private["epsilon"])
+    assert [charge["run"] for charge in ledger["composed_with"]] == [EARLIER_RUN.run]
     assert ledger["adjacency"] == private["adjacency"] == "zero-out"
 
 
-def test_a_private_run_is_charged_to_its_data_sets_ledger_and_composed_with_earlier_runs(local_ray, shards, tmp_path):
-    from tasks.stages.pretrain import run_pretrain
-    from tasks.stages.pretrain import ledger_book
-    from vip_core.privacy.ledger import Charge
-    from vip_core.train.data import measure_shards
-
-    book = ledger_book(measure_shards(shards).fingerprint)
-    with book.locked():
-        book.charge(Charge("an-earlier-run", 2.0, 0.25, 10, "dp-finetune"))
-    config = with_overrides(_private_config(), {"private.steps": 2})
-    result = run_pretrain(config, "private", shards, tmp_path / "out")
-    alone = compute_epsilon(noise_multiplier=result["noise_multiplier"], sample_rate=result["sample_rate"], steps=2,
-                            delta=result["delta"])
-    composed = book.epsilon(delta=result["delta"], accountant="pld")
-    assert result["epsilon"] == pytest.approx(composed) and composed > alone and composed <= 8.0
-    ours = [c for c in book.charges() if c.run != "an-earlier-run"]
-    assert len(ours) == 1 and ours[0].steps == 2 and ours[0].purpose == "pretrain-dp"
-    # By default the values computed from private data and not privatized stay out of MLflow and result.json.
-    assert _metric(result["mlflow_run_id"], "train/loss") == []
-    assert _metric(result["mlflow_run_id"], "train/images_per_s") == []
-    assert len(_metric(result["mlflow_run_id"], "privacy/epsilon")) == 2
-    assert "loss" not in result and "images_per_s" not in result
+def test_values_computed_from_private_data_stay_out_of_mlflow_and_the_result_by_default(private):
+    assert _metric(private["mlflow_run_id"], "train/loss") == []
+    assert _metric(private["mlflow_run_id"], "train/images_per_s") == []
+    assert "loss" not in private and "images_per_s" not in private
 
 
 def test_private_stage_starts_from_the_synthetic_weights(synthetic, private):
