@@ -24,17 +24,9 @@ ROOT = Path(__file__).resolve().parents[3]
 VIP = [sys.executable, "-m", "tasks.cli"]
 
 
-def _check(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run(VIP + ["shards", "--check", *argv], cwd=ROOT, capture_output=True, text=True, timeout=600)
-
-
 def _shards(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(VIP + ["shards", *argv], cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, **(env or {})})
-
-
-def _outcome(result: subprocess.CompletedProcess) -> tuple[int, str, str]:
-    return result.returncode, result.stdout, result.stderr
 
 
 def _stats(code: int, out: str, err: str) -> dict:
@@ -53,7 +45,7 @@ def written(own_images, tmp_path_factory):
 
 def test_own_images_become_shards_without_bad_files_duplicates_or_evaluation_images(own_images, written):
     output, result = written
-    assert _stats(*_outcome(result)) == own_images["stats"]
+    assert _stats(result.returncode, result.stdout, result.stderr) == own_images["stats"]
     assert json.loads((output / "stats.json").read_text()) == own_images["stats"]
     samples = list(iter_samples(list_shards(output, "web")))
     assert {sample["json"]["path"] for sample in samples} == own_images["kept"]
@@ -159,7 +151,7 @@ def test_the_check_names_each_damaged_image_and_exits_1(damaged_shards, distribu
 
 
 def test_clean_shards_pass_and_a_missing_folder_is_one_line(noise_shards, tmp_path, vip_here):
-    result = _check(str(noise_shards(64)))
+    result = _shards("--check", str(noise_shards(64)))
     assert result.returncode == 0 and json.loads(result.stdout)["damaged"] == []
     code, _, err = vip_here("shards", "--check", str(tmp_path / "nowhere"))
     assert code == 2 and err.count("\n") == 1

@@ -13,6 +13,7 @@ import torch
 
 from vip_core.config import get_preset, with_overrides
 from vip_core.models.checkpoint import load_checkpoint
+from vip_core.privacy.accounting import compute_epsilon
 
 STEPS = 6
 KILLED_RANK, KILLED_AFTER = 1, 3  # the last checkpoint before the kill is step 2
@@ -57,8 +58,6 @@ def test_killed_worker_is_replaced_and_training_resumes_from_the_last_checkpoint
 
 
 def test_final_steps_and_epsilon_are_those_of_the_plan(killed):
-    from vip_core.privacy.accounting import compute_epsilon
-
     _, interrupted = killed
     planned = compute_epsilon(noise_multiplier=interrupted["noise_multiplier"], sample_rate=interrupted["sample_rate"],
                               steps=STEPS, delta=interrupted["delta"], accountant=get_preset("tiny").privacy.accountant)

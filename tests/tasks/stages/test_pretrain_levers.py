@@ -1,7 +1,7 @@
 """The recipe levers of the pre-training stages and the privacy rules each keeps: augmentation multiplicity (K views
 averaged inside one image's loss: one clipped contribution per image), trainable position embeddings (clipped like
 every parameter); and the defaults, which take exactly the steps a run without the levers takes. The moving average
-of the weights is tested on the runs of test_pretrain.py and test_pretrain_faults.py."""
+of the weights is tested on the runs of test_pretrain.py."""
 
 from __future__ import annotations
 
@@ -223,4 +223,3 @@ def test_a_resume_with_the_position_embeddings_flipped_is_refused_naming_the_fie
     assert "train_pos_embed" not in stage_plan(flipped, "private", measure_shards(shards), tmp_path, continuing=True)
     # that resume fails at the optimiser's load; the setting the run started with is still accepted afterwards
     assert "train_pos_embed" not in stage_plan(config, "private", measure_shards(shards), tmp_path, continuing=True)
-
