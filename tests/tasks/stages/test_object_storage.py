@@ -1,6 +1,7 @@
-"""Shards in object storage: a real S3-compatible server (moto's server mode) on 127.0.0.1; ingestion writes
-its clean shards into a bucket and decontaminates against evaluation images in one, the private stage pre-trains
-from ``s3://`` on a real local Ray, and the evaluation jobs read their data sets from ``s3://``."""
+"""Shards in object storage: a real S3-compatible server (moto's server mode) on 127.0.0.1; shards in a bucket
+are the data set they are on disk, ingestion writes its clean shards into a bucket and decontaminates against
+evaluation images in one, and the evaluation jobs read their data sets from ``s3://``. The private stage's
+pre-training from ``s3://`` is tested on two Ray nodes in test_multinode.py."""
 
 from __future__ import annotations
 
@@ -8,20 +9,16 @@ import pytest
 
 from tasks.fixtures.web import (SampleWeb, distinct_photo_indices, laion_row, photo_path, sample_photo,
                                 write_url_list)
-from tasks.runtime.ray_session import ray_session
 from tasks.stages.eval import run_evaluation
 from tasks.stages.ingest import run_ingest
-from tasks.stages.pretrain import run_pretrain
 from tests.tasks.stages.test_ingest import _config as ingest_config
-from tests.tasks.stages.test_pretrain import IMAGES, _private_config
-from vip_core.config import with_overrides
 from vip_core.train.data import measure_shards
 
 
 @pytest.fixture(scope="module")
 def bucket_shards(s3, noise_shards):
-    """The pre-training tests' shards, uploaded to ``s3://vip-shards/web``."""
-    local = noise_shards(IMAGES)
+    """64 images of noise in shards on disk, and uploaded to ``s3://vip-shards/web``."""
+    local = noise_shards(64)
     s3.mkdir("vip-shards")
     s3.put(f"{local}/", "vip-shards/web/", recursive=True)
     return local, "s3://vip-shards/web"
@@ -37,15 +34,6 @@ def test_shards_in_a_bucket_are_the_same_data_set_as_on_disk(bucket_shards):
 def test_a_missing_bucket_folder_is_a_clear_error(s3_server):
     with pytest.raises(FileNotFoundError, match="s3://vip-shards/nothing"):
         measure_shards("s3://vip-shards/nothing")
-
-
-def test_the_private_stage_pre_trains_from_s3_shards(bucket_shards, tmp_path):
-    _, url = bucket_shards
-    config = with_overrides(_private_config(), {"private.steps": 2})
-    with ray_session(num_workers=2, cpus_per_worker=0.5):
-        result = run_pretrain(config, "private", url, tmp_path / "out")
-    assert result["steps"] == 2 and result["dataset_size"] == IMAGES and result["epsilon"] > 0
-    assert result["workers"] == 2
 
 
 def test_ingestion_writes_its_clean_shards_manifest_and_stats_into_a_bucket(s3, tmp_path):

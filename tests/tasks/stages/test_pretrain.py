@@ -1,14 +1,18 @@
 """Pre-training on a real local Ray with two workers of half a CPU: the synthetic stage through ``vip
 pretrain``, the private stage warm-started from it (its ε composed with an earlier run's on the data set, per step in
-MLflow), checkpoints, the moving average (continued bit for bit across a killed worker, its weights in evaluation and
-export), and bad input."""
+MLflow), a worker killed mid-run (replaced; the run resumes from the last checkpoint with its ledger carried on, bit
+for bit for the synthetic stage, moving average included), checkpoints, the moving average's weights in evaluation
+and export, damaged images, and bad input."""
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import json
+import logging
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -81,15 +85,18 @@ def _private_config():
 
 @pytest.fixture(scope="module")
 def private(local_ray, shards, synthetic, tmp_path_factory):
-    """The private stage, warm-started from the synthetic one, on a data set whose ledger holds an earlier run."""
-    from tasks.stages.pretrain import ledger_book, run_pretrain
+    """The private stage, warm-started from the synthetic one, on a data set whose ledger holds an earlier run;
+    rank 1 killed after step 3 (the last checkpoint before it is step 2)."""
+    from tasks.stages.pretrain import FAULT_ENV, ledger_book, run_pretrain
     from vip_core.train.data import measure_shards
 
     book = ledger_book(measure_shards(shards).fingerprint)
     with book.locked():
         book.charge(EARLIER_RUN)
     output = tmp_path_factory.mktemp("dp") / "out"
-    return run_pretrain(_private_config(), "private", shards, output, init_checkpoint=synthetic["checkpoint"])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(FAULT_ENV, "1:3")
+        return run_pretrain(_private_config(), "private", shards, output, init_checkpoint=synthetic["checkpoint"])
 
 
 def _metric(run_id: str, key: str) -> list[tuple[int, float]]:
@@ -156,15 +163,33 @@ def test_private_stage_spends_the_planned_epsilon_with_the_earlier_run_and_logs_
     assert math.isclose(private["epsilon"], composed, rel_tol=1e-9) and alone < composed <= 8.0
     [ours] = [charge for charge in book.charges() if charge.run != EARLIER_RUN.run]
     assert (ours.steps, ours.purpose) == (STEPS, "pretrain-dp")
-    history = _metric(private["mlflow_run_id"], "privacy/epsilon")
-    assert [step for step, _ in history] == list(range(1, STEPS + 1))
-    assert all(a < b for (_, a), (_, b) in zip(history, history[1:]))
-    assert math.isclose(history[-1][1], private["epsilon"])
+    by_step: dict[int, set[float]] = {}
+    for step, value in _metric(private["mlflow_run_id"], "privacy/epsilon"):
+        by_step.setdefault(step, set()).add(value)
+    # Step 3 ran twice (before the kill and after the resume from step 2) and spent the same ε both times: a
+    # ledger restarted at the resume would have counted only the steps after it.
+    assert sorted(by_step) == list(range(1, STEPS + 1)) and all(len(values) == 1 for values in by_step.values())
+    history = [value for step in sorted(by_step) for value in by_step[step]]
+    assert all(a < b for a, b in zip(history, history[1:])) and math.isclose(history[-1], private["epsilon"])
     ledger = load_checkpoint(private["checkpoint"])["ledger"]
     assert ledger["steps"] == STEPS and ledger["noise_multiplier"] == private["noise_multiplier"]
     assert ledger["epsilon"] == pytest.approx(private["epsilon"])
     assert [charge["run"] for charge in ledger["composed_with"]] == [EARLIER_RUN.run]
     assert ledger["adjacency"] == private["adjacency"] == "zero-out"
+
+
+def test_a_killed_worker_is_replaced_and_the_private_stage_resumes_from_the_last_checkpoint(private):
+    output = Path(private["checkpoint"]).parent
+    assert (output / "ray" / "fault-injected").read_text().startswith("rank 1 killed after step 3")
+    assert private["resumes"] == 1 and private["steps"] == STEPS
+
+
+def test_resuming_with_other_privacy_settings_is_refused(private, shards):
+    from tasks.stages.pretrain import run_pretrain
+
+    config = with_overrides(_private_config(), {"private.batch_size": 64})
+    with pytest.raises(ValueError, match="resume refused: the run was planned with batch_size"):
+        run_pretrain(config, "private", shards, Path(private["checkpoint"]).parent, resume=True)
 
 
 def test_values_computed_from_private_data_stay_out_of_mlflow_and_the_result_by_default(private):
@@ -235,6 +260,59 @@ def test_vip_eval_of_the_ema_of_a_checkpoint_without_one_is_one_line_before_any_
     assert code == 2 and err.count("\n") == 1
     assert err.startswith("vip eval: error: ") and "holds no EMA weights (train with ema_decay > 0)" in err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_resume_continues_a_run_for_more_steps(local_ray, shards, tmp_path):
+    from tasks.stages.pretrain import run_pretrain
+
+    def synthetic_config(steps: int):
+        return with_overrides(get_preset("tiny"), {
+            "synthetic.num_workers": 2, "synthetic.cpus_per_worker": 0.5, "synthetic.steps": steps,
+            "synthetic.batch_size": 16, "synthetic.physical_batch_size": 16, "synthetic.checkpoint_every": 2,
+        })
+
+    first = run_pretrain(synthetic_config(2), "synthetic", shards, tmp_path / "out")
+    with pytest.raises(ValueError, match="pass --resume"):
+        run_pretrain(synthetic_config(4), "synthetic", shards, tmp_path / "out")
+    more = run_pretrain(synthetic_config(4), "synthetic", shards, tmp_path / "out", resume=True)
+    assert (first["steps"], more["steps"], more["resumes"]) == (2, 4, 1)
+
+
+def test_a_damaged_image_is_left_out_of_the_steps_inputs_with_its_masks(damaged_shards):
+    from tasks.stages.pretrain import build_worker_run
+    from tests.core.privacy.test_dp_rules import worker_loop_config
+
+    folder, damaged = damaged_shards
+    config = with_overrides(get_preset("tiny"), {"private.batch_size": 64, "private.augmentation": "rrc_flip"})
+    run = build_worker_run(worker_loop_config(config, folder), 0, 1)
+    try:
+        local = run.pipeline.sample()  # q = 1: all 64 images
+        stream = copy.deepcopy(run.step.streams.sample)
+        pixels, noise, crops = run.batch(local, run.step.streams.sample)
+    finally:
+        run.pipeline.close()
+    usable = [i for i in range(64) if f"{i:05d}.jpg" not in damaged]
+    assert len(local) == 64 and run.damaged == len(damaged) == 4
+    assert len(pixels) == len(noise) == len(crops) == 60 and pixels.flatten(1).amax(dim=1).gt(0).all()
+    assert torch.equal(noise, stream.uniform((64, run.model.num_patches))[usable])  # drawn for all, rows kept
+
+
+def test_damaged_images_are_skipped_and_counted_and_the_run_finishes(local_ray, damaged_shards, tmp_path, caplog):
+    from tasks.stages.pretrain import PRIVATE_STATISTICS_WARNING, run_pretrain
+
+    folder, damaged = damaged_shards  # 64 images, 4 of them damaged
+    config = with_overrides(get_preset("tiny"), {
+        "private.num_workers": 2, "private.cpus_per_worker": 0.5, "private.steps": 2, "private.batch_size": 64,
+        "private.physical_batch_size": 32, "private.checkpoint_every": 2, "privacy.log_private_statistics": True,
+    })
+    with caplog.at_level(logging.WARNING, logger="tasks.stages.pretrain"):
+        result = run_pretrain(config, "private", folder, tmp_path / "out")
+    # The count is reported only where private statistics may leave the run, and turning that on says so once.
+    assert [record.getMessage() for record in caplog.records].count(PRIVATE_STATISTICS_WARNING) == 1
+    assert result["steps"] == 2 and result["dataset_size"] == 64 and result["sample_rate"] == 1.0
+    assert result["damaged_images_skipped"] == 2 * len(damaged)  # q = 1: every image in both steps
+    assert math.isfinite(result["loss"])
 
 
 @pytest.mark.slow
