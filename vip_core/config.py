@@ -32,6 +32,9 @@ EVAL_TASKS: tuple[str, ...] = get_args(EvalTask)
 # The layouts ``vip export`` writes (vip_core/models/export.py).
 ExportFormat = Literal["timm", "mae", "safetensors"]
 EXPORT_FORMATS: tuple[str, ...] = get_args(ExportFormat)
+# The weights of a checkpoint that evaluation and ``vip export`` load: the final ones or their moving average.
+EncoderWeights = Literal["final", "ema"]
+ENCODER_WEIGHTS: tuple[str, ...] = get_args(EncoderWeights)
 # The offline data set of each task below an evaluation root (an ImageFolder, a COCO and an ADE20K set): the tiny
 # preset's suite, and the data set a pair's name leaves out (``EvalPair.name``).
 EVAL_DATA_FOLDERS: dict[str, str] = {
@@ -354,7 +357,7 @@ class EvaluationConfig(_Frozen):
     loader_workers: int = Field(0, ge=0, description="image-decoding processes of each job process")
     random_init_baseline: bool = Field(True, description="also run each job on a random-init encoder of the same "
                                                          "size (doubles the cost)")
-    encoder_weights: Literal["final", "ema"] = Field(
+    encoder_weights: EncoderWeights = Field(
         "final", description="the checkpoint's weights evaluated: its final weights, or their moving average "
         "(ema, from a stage trained with ema_decay > 0)")
     linprobe_last_blocks: int = Field(4, gt=0, description="linprobe and fewshot features: the mean-pooled patch "

@@ -6,8 +6,7 @@ import argparse
 from typing import Any
 
 from tasks.cli.options import add_command
-from vip_core.config import EXPORT_FORMATS
-from vip_core.models.checkpoint import ENCODER_WEIGHTS
+from vip_core.config import ENCODER_WEIGHTS, EXPORT_FORMATS
 
 
 def register(subparsers: Any) -> None:

@@ -33,7 +33,7 @@ CHECKPOINT_FILE = "checkpoint.pt"
 # with the run and are as private as the data.
 PUBLISHED_ENTRIES = ("model", "config", "step", "ledger", "ema")
 WEIGHT_ENTRIES = ("model", "ema")  # the published entries that are state dicts
-ENCODER_WEIGHTS = {"final": "model", "ema": "ema"}  # evaluation.encoder_weights -> the entry loaded
+_ENTRY_OF_WEIGHTS = {"final": "model", "ema": "ema"}  # evaluation.encoder_weights -> the entry loaded
 _SHOWN_KEYS = 8
 
 
@@ -177,9 +177,9 @@ def weights_entry(payload: Mapping[str, Any], weights: str, path: str | os.PathL
     Raises:
         CheckpointError: an unknown choice, or ``"ema"`` from a checkpoint without a moving average.
     """
-    if weights not in ENCODER_WEIGHTS:
-        raise CheckpointError(f"encoder_weights: unknown choice {weights!r} (known: {', '.join(ENCODER_WEIGHTS)})")
-    state = payload.get(ENCODER_WEIGHTS[weights])
+    if weights not in _ENTRY_OF_WEIGHTS:
+        raise CheckpointError(f"encoder_weights: unknown choice {weights!r} (known: {', '.join(_ENTRY_OF_WEIGHTS)})")
+    state = payload.get(_ENTRY_OF_WEIGHTS[weights])
     if state is None:
         raise CheckpointError(f"{checkpoint_file(path)} holds no EMA weights (train with ema_decay > 0) to load "
                               "for encoder_weights: ema")

@@ -1,9 +1,13 @@
 """The shared options of ``vip``: a preset is checked while parsing, config flags override their fields,
-and every stage command spells its output folder ``--output`` and its MLflow parent ``--mlflow-parent``."""
+and every stage command spells its output folder ``--output`` and its MLflow parent ``--mlflow-parent``. The program
+parses and supervises without loading torch, so that it answers a bad argument at once."""
 
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -38,3 +42,13 @@ def test_stage_commands_share_one_spelling_of_output_and_mlflow_parent(command):
     assert not flags & {"--out", "--root", "--mlflow-run", "--mlflow-run-id"}
     if command in ("eval", "pretrain", "audit"):
         assert "--mlflow-parent" in flags
+
+
+def test_the_supervising_program_loads_no_torch_and_answers_a_bad_argument_at_once(tmp_path):
+    # `-X importtime` lists the imports of the supervising process only: the supervised child is started without it.
+    command = [sys.executable, "-X", "importtime", "-m", "tasks.cli", "shards", "--input", str(tmp_path)]
+    result = subprocess.run(command, cwd=Path(__file__).resolve().parents[3], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2 and "vip shards: error: --input needs --output" in result.stderr
+    imported = {line.rsplit("|", 1)[1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
+    assert "tasks.cli.options" in imported and not imported & {"torch", "timm", "ray"}
