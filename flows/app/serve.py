@@ -25,7 +25,6 @@ from flows.app.servers import is_healthy, prefect_url, use_running_prefect_serve
 from tasks.cli.options import add_config_sources, config_from
 from tasks.runtime.environment import configure_environment
 from vip_core.config import VipConfig
-from vip_core.reproduce import reproduce
 
 
 def deployments(config: VipConfig, inputs: dict[str, str]) -> list:
@@ -46,6 +45,7 @@ def deployments(config: VipConfig, inputs: dict[str, str]) -> list:
 def reproduce_deployment():
     """``make reproduce``'s flow as the deployment ``vip-reproduce/default``: the experiment's sizes as the form."""
     from flows.reproduce import reproduce_flow
+    from vip_core.reproduce import reproduce  # loads torch: only once a Prefect server answers
 
     experiment = reproduce()
     return reproduce_flow.to_deployment(
