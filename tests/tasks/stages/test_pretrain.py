@@ -13,6 +13,7 @@ import json
 import logging
 import math
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -64,13 +65,20 @@ def synthetic(local_ray, shards, tmp_path_factory):
     return _synthetic_run(shards, tmp_path_factory.mktemp("syn") / "out")
 
 
-@pytest.fixture(scope="module")
-def synthetic_killed(local_ray, shards, tmp_path_factory):
-    """The synthetic stage again, rank 1 killed after step 3 (the last checkpoint before it is step 2)."""
+@contextlib.contextmanager
+def _rank_1_killed_after_step_3() -> Iterator[None]:
+    """Runs started inside lose rank 1's process after step 3 (the last checkpoint before it is step 2), once each."""
     from tasks.stages.pretrain import FAULT_ENV
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(FAULT_ENV, "1:3")
+        yield
+
+
+@pytest.fixture(scope="module")
+def synthetic_killed(local_ray, shards, tmp_path_factory):
+    """The synthetic stage again, rank 1 killed after step 3."""
+    with _rank_1_killed_after_step_3():
         return _synthetic_run(shards, tmp_path_factory.mktemp("syn-killed") / "out")
 
 
@@ -86,16 +94,15 @@ def _private_config():
 @pytest.fixture(scope="module")
 def private(local_ray, shards, synthetic, tmp_path_factory):
     """The private stage, warm-started from the synthetic one, on a data set whose ledger holds an earlier run;
-    rank 1 killed after step 3 (the last checkpoint before it is step 2)."""
-    from tasks.stages.pretrain import FAULT_ENV, ledger_book, run_pretrain
+    rank 1 killed after step 3."""
+    from tasks.stages.pretrain import ledger_book, run_pretrain
     from vip_core.train.data import measure_shards
 
     book = ledger_book(measure_shards(shards).fingerprint)
     with book.locked():
         book.charge(EARLIER_RUN)
     output = tmp_path_factory.mktemp("dp") / "out"
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(FAULT_ENV, "1:3")
+    with _rank_1_killed_after_step_3():
         return run_pretrain(_private_config(), "private", shards, output, init_checkpoint=synthetic["checkpoint"])
 
 
