@@ -7,6 +7,7 @@ import asyncio
 from prefect import Task, flow, task
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+from prefect.client.schemas.objects import StateType
 from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
@@ -40,14 +41,15 @@ def _jobs_then_register() -> str:
 
 
 def _edges(flow_run_id: str, task_runs: int) -> dict[str, set[str]]:
-    """Each task run's upstream task runs, once the server has recorded ``task_runs`` of them (it does so
-    from the client's events, a moment after the flow ends)."""
+    """Each task run's upstream task runs, once the server has recorded ``task_runs`` of them, each completed (it
+    does so from the client's events, a moment after the flow ends; a run first recorded from its earliest event
+    still has the name Prefect generated, until its later events arrive)."""
     async def read() -> list:
         async with get_client() as client:
             for _ in range(120):
                 runs = await client.read_task_runs(
                     flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-                if len(runs) == task_runs:
+                if len(runs) == task_runs and all(run.state_type == StateType.COMPLETED for run in runs):
                     return runs
                 await asyncio.sleep(0.5)
         return runs
