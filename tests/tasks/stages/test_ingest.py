@@ -3,15 +3,16 @@ and every bad case, then the clean shards, the manifest, the stats, the resume a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from collections import Counter
 from pathlib import Path
 
+import psutil
 import pyarrow.parquet as pq
 import pytest
 
@@ -146,9 +147,10 @@ def test_ingest_killed_mid_run_resumes_without_fetching_finished_shards(tmp_path
     try:
         _wait_until(lambda: IngestLayout(tmp_path / "out").judged_part(0).exists() and _slow_requests(web) > 0, killed)
     finally:
-        os.killpg(killed.pid, signal.SIGKILL)
+        _kill_session(killed.pid)
         killed.wait()
     assert not (tmp_path / "out" / "stats.json").exists()
+    slow_before = _slow_requests(web)
     web.release.set()
 
     finished = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=400)
@@ -158,12 +160,30 @@ def test_ingest_killed_mid_run_resumes_without_fetching_finished_shards(tmp_path
     assert (stats["input"], stats["kept"], stats["shards"]) == (12, 12, 2)
     _check_counts_add_up(stats)
     assert all(web.requests[url.removeprefix(web.url)] == 1 for url in first_shard), web.requests
+    assert _slow_requests(web) - slow_before >= len(held_shard), "the held shard was not fetched again"
     samples = _read_shards(tmp_path / "out")
     assert sorted(sample["json"]["url"] for sample in samples) == sorted(first_shard + held_shard)
 
 
 def _slow_requests(web):
     return sum(count for path, count in web.requests.items() if path.startswith("/slow/"))
+
+
+def _kill_session(session):
+    """SIGKILLs every process of ``session``, as a crash of the machine would, and returns once they are gone: the
+    supervised child has a process group of its own, so killing the command's group would leave it working."""
+    while running := [process for process in psutil.process_iter() if _alive_in(process, session)]:
+        for process in running:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        psutil.wait_procs(running, timeout=30)
+
+
+def _alive_in(process, session):
+    try:
+        return os.getsid(process.pid) == session and process.status() != psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, ProcessLookupError):
+        return False
 
 
 def _wait_until(condition, process, timeout_s=300.0):
