@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from tasks.runtime.environment import configure_environment, state_paths
-from tasks.runtime.stopping import is_supervised
+from tasks.runtime.stopping import is_supervised, stop_with_supervisor
 from vip_core.reproduce import EXPERIMENTS, with_recipe
 
 
@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_environment()
     if not is_supervised():
         return supervise(args, argv)
+    stop_with_supervisor()
     from flows.app.run import noting_flow_run, prepare_console, say, stage_states
 
     prepare_console()  # before Prefect is imported: it reads its settings then

@@ -40,7 +40,9 @@ from tasks.runtime.environment import configure_environment, state_paths
 from tasks.runtime.folders import RESULT_FILE
 from tasks.runtime.names import STAGES
 from tasks.runtime.sizing import confirm, size_run, url_list_rows
-from tasks.runtime.stopping import INTERRUPTED, hear_ctrl_c, is_supervised, kept_work, run_supervised
+from tasks.runtime.stopping import (
+    INTERRUPTED, hear_ctrl_c, is_supervised, kept_work, run_supervised, stop_with_supervisor,
+)
 from vip_core.config import ConfigError, VipConfig
 
 TARGETS = ("run", *STAGES)
@@ -184,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"make {args.target}: error: {error}", file=sys.stderr)
         return 2
     if is_supervised():
+        stop_with_supervisor()
         return run_here(args, config)
     return supervise(args, config, argv)
 

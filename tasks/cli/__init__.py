@@ -22,7 +22,7 @@ import sys
 from typing import Any, Iterator, Sequence, TextIO
 
 from tasks.runtime.environment import configure_environment
-from tasks.runtime.stopping import INTERRUPTED, is_supervised, kept_work, run_supervised
+from tasks.runtime.stopping import INTERRUPTED, is_supervised, kept_work, run_supervised, stop_with_supervisor
 
 COMMAND_MODULES = (
     "tasks.cli.config",
@@ -99,8 +99,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        if as_program and args.command in SUPERVISED_COMMANDS and not is_supervised():
-            return _supervise(args, argv)
+        if as_program and args.command in SUPERVISED_COMMANDS:
+            if not is_supervised():
+                return _supervise(args, argv)
+            stop_with_supervisor()
         with _stdout_for_reports():
             code = args.handler(args)
     except (UsageError, ValueError, FileNotFoundError) as error:

@@ -9,7 +9,8 @@ signals do not reach, and this process, still in the terminal's group, as a chil
 descendants become its children). On SIGINT, SIGTERM or SIGHUP it kills the child's group and every other
 descendant (:func:`stop_descendants`) but the processes it was asked to spare (a Prefect server the caller stops
 after the flow), marks the MLflow runs the command opened and left open KILLED (FAILED where the child died on its
-own), prints one line and returns :data:`INTERRUPTED`.
+own), prints one line and returns :data:`INTERRUPTED`. A SIGKILL of this process cannot be caught: the child
+(:func:`stop_with_supervisor`) sees it gone and stops what it started, then itself.
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -31,6 +34,7 @@ SUPERVISED_ENV = "VIP_SUPERVISED"
 OPENED_RUNS_ENV = "VIP_OPENED_RUNS"  # the file where the child's processes note each MLflow run they open
 INTERRUPTED = 130  # a shell's exit status for a command stopped by SIGINT
 WAIT_S = 5.0
+SUPERVISOR_POLL_S = 0.5
 KILL_ROUNDS = 5
 ENDING_RUNS_S = 15.0  # the longest a stop waits for the MLflow store to mark the command's open runs
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -90,6 +94,28 @@ def run_supervised(command: list[str], *, stopped: Callable[[], str], spare: Ite
             signal.signal(number, handler)
 
 
+def stop_with_supervisor() -> None:
+    """In the supervised child: once the supervising process is gone (a SIGKILL, which it cannot hear), stops what it
+    would have: every process this one started, the MLflow runs the command left open (KILLED), then this one."""
+    supervisor = os.getppid()
+    _become_subreaper()
+    threading.Thread(target=_stop_when_gone, args=(supervisor,), name="vip-supervisor-watch", daemon=True).start()
+
+
+def _stop_when_gone(supervisor: int) -> None:
+    while os.getppid() == supervisor:
+        time.sleep(SUPERVISOR_POLL_S)
+    silent = os.open(os.devnull, os.O_WRONLY)
+    for stream in (1, 2):  # the person who killed the command hears nothing more of it (its dying work's errors)
+        os.dup2(silent, stream)
+    _kill_descendants(set(), WAIT_S)
+    if OPENED_RUNS_ENV in os.environ:
+        opened = Path(os.environ[OPENED_RUNS_ENV])
+        _end_opened_runs(opened, "KILLED")
+        shutil.rmtree(opened.parent, ignore_errors=True)  # the supervisor's notes folder, which it cannot remove now
+    os.killpg(os.getpgid(0), signal.SIGKILL)
+
+
 def stop_descendants(work: int, spare: Iterable[int] = (), timeout_s: float = WAIT_S) -> None:
     """Kills the process group of ``work`` and every descendant of this process outside ``spare``'s trees.
 
@@ -104,6 +130,10 @@ def stop_descendants(work: int, spare: Iterable[int] = (), timeout_s: float = WA
             spared |= {pid, *(p.pid for p in psutil.Process(pid).children(recursive=True))}
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(work, signal.SIGKILL)
+    _kill_descendants(spared, timeout_s)
+
+
+def _kill_descendants(spared: set[int], timeout_s: float) -> None:
     for _ in range(KILL_ROUNDS):
         targets = [process for process in _live_descendants() if process.pid not in spared]
         if not targets:

@@ -1,13 +1,15 @@
 """What the stage and command tests share: the small public sets of evaluation, a saved tiny checkpoint and
 every job's metrics on it, made once per session (the jobs take a while on two cores); shards of noise images;
-a two-node Ray cluster on this machine."""
+a two-node Ray cluster on this machine; the wait for a killed command's processes to be gone."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -112,3 +114,27 @@ def two_node_cluster(tmp_path_factory):
         yield address
     finally:
         _stop_cluster(temp_dir)
+
+
+def wait_until_session_ends(session: int, timeout_s: float = 30.0) -> None:
+    """Returns once no process of ``session`` runs (zombies aside); after ``timeout_s``, kills those still running
+    and fails naming them (a failed test leaves nothing going)."""
+    deadline = time.monotonic() + timeout_s
+    while running := _running_in(session):
+        if time.monotonic() > deadline:
+            for process in running:
+                with contextlib.suppress(psutil.Error):
+                    process.kill()
+            raise AssertionError(f"still running: {[process.info['name'] for process in running]}")
+        time.sleep(0.1)
+
+
+def _running_in(session: int) -> list[psutil.Process]:
+    running = []
+    for process in psutil.process_iter(["name"]):
+        try:
+            if os.getsid(process.pid) == session and process.status() != psutil.STATUS_ZOMBIE:
+                running.append(process)
+        except (psutil.Error, ProcessLookupError):
+            continue
+    return running

@@ -14,15 +14,22 @@ import time
 from pathlib import Path
 
 from tasks.runtime import tracking
+from tests.tasks.conftest import wait_until_session_ends
 
 ROOT = Path(__file__).resolve().parents[3]
 
-# The supervised child: opens a run it ends, then one it leaves open, prints their ids, then waits or dies.
+# The supervised child, as a command's: watches its supervisor, leaves a process running in a group of its own whose
+# parent has exited (as Ray's daemons do), opens a run it ends, then one it leaves open, prints their ids, then waits
+# or dies.
 CHILD = textwrap.dedent("""
-    import os, sys, time
+    import os, subprocess, sys, time
     if len(sys.argv) > 2:
         os.environ["MLFLOW_TRACKING_URI"] = sys.argv[2]  # the supervisor's store is out of reach: this one is not
     from tasks.runtime import tracking
+    from tasks.runtime.stopping import stop_with_supervisor
+    stop_with_supervisor()
+    daemon = "import subprocess; subprocess.Popen(['sleep', '600'], process_group=0)"
+    subprocess.run([sys.executable, "-c", daemon], check=True)
     ended = tracking.start_run("ended by the command")
     tracking.end_run(ended)
     left = tracking.start_run("left open")
@@ -68,6 +75,15 @@ def test_ctrl_c_marks_the_runs_the_command_left_open_killed(tmp_path):
     ended, left = _run_ids(log, process)
     os.killpg(process.pid, signal.SIGINT)
     assert process.wait(timeout=60) == 130, log.read_text()
+    assert (_status(ended), _status(left)) == ("FINISHED", "KILLED")
+
+
+def test_a_sigkill_of_the_supervisor_stops_everything_the_command_started_and_marks_its_open_runs_killed(tmp_path):
+    process, log = _supervised(tmp_path, "wait")
+    ended, left = _run_ids(log, process)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    wait_until_session_ends(process.pid)
     assert (_status(ended), _status(left)) == ("FINISHED", "KILLED")
 
 

@@ -3,21 +3,21 @@ and every bad case, then the clean shards, the manifest, the stats, the resume a
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 from collections import Counter
 from pathlib import Path
 
-import psutil
 import pyarrow.parquet as pq
 import pytest
 
 from tasks.fixtures.web import SampleWeb, distinct_photo_indices, laion_row, photo_path, sample_photo, write_url_list
 from tasks.stages.ingest import IngestLayout, exclusive_use, run_ingest
+from tests.tasks.conftest import wait_until_session_ends
 from vip_core.config import get_preset, with_overrides
 from vip_core.data.shards import iter_samples, list_shards, sample_image
 
@@ -147,8 +147,9 @@ def test_ingest_killed_mid_run_resumes_without_fetching_finished_shards(tmp_path
     try:
         _wait_until(lambda: IngestLayout(tmp_path / "out").judged_part(0).exists() and _slow_requests(web) > 0, killed)
     finally:
-        _kill_session(killed.pid)
+        os.kill(killed.pid, signal.SIGKILL)  # a `kill -9` of the command: its child stops what it started, then itself
         killed.wait()
+    wait_until_session_ends(killed.pid)
     assert not (tmp_path / "out" / "stats.json").exists()
     slow_before = _slow_requests(web)
     web.release.set()
@@ -167,23 +168,6 @@ def test_ingest_killed_mid_run_resumes_without_fetching_finished_shards(tmp_path
 
 def _slow_requests(web):
     return sum(count for path, count in web.requests.items() if path.startswith("/slow/"))
-
-
-def _kill_session(session):
-    """SIGKILLs every process of ``session``, as a crash of the machine would, and returns once they are gone: the
-    supervised child has a process group of its own, so killing the command's group would leave it working."""
-    while running := [process for process in psutil.process_iter() if _alive_in(process, session)]:
-        for process in running:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                process.kill()
-        psutil.wait_procs(running, timeout=30)
-
-
-def _alive_in(process, session):
-    try:
-        return os.getsid(process.pid) == session and process.status() != psutil.STATUS_ZOMBIE
-    except (psutil.NoSuchProcess, ProcessLookupError):
-        return False
 
 
 def _wait_until(condition, process, timeout_s=300.0):
