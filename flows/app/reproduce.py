@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from tasks.runtime.environment import configure_environment, state_paths
-from tasks.runtime.stopping import is_supervised, stop_with_supervisor
+from tasks.runtime.stopping import is_supervised
 from vip_core.reproduce import EXPERIMENTS, with_recipe
 
 
@@ -49,8 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     configure_environment()
     if not is_supervised():
         return supervise(args, argv)
-    stop_with_supervisor()
-    from flows.app.run import noting_flow_run, prepare_console, say, stage_states
+    from flows.app.run import noting_flow_run, prepare_console, say, stage_states, stop_flow_with_supervisor
+
+    stop_flow_with_supervisor()
 
     prepare_console()  # before Prefect is imported: it reads its settings then
     from flows.app.progress import TrainingProgress

@@ -27,6 +27,7 @@ import contextlib
 import inspect
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -34,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from flows.app.servers import cancel_flow_run
+from flows.app.servers import cancel_flow_run, stop_noted
 from tasks.cli.options import add_config_sources, config_from
 from tasks.runtime.environment import configure_environment, state_paths
 from tasks.runtime.folders import RESULT_FILE
@@ -53,7 +54,9 @@ TARGET_STAGES = {"run": PIPELINE_STAGES, "ingest": ("ingest",), "render": ("rend
                  "audit": ()}
 EVALUATING_TARGETS = ("run", "eval")
 FLOW_RUN_FILE_ENV = "VIP_FLOW_RUN_FILE"
+TEMPORARY_SERVER_ENV = "VIP_TEMPORARY_PREFECT_SERVER"  # the temporary server's note (flows.app.servers.noted)
 STOPPED_MESSAGE = "stopped (Ctrl-C); the same command resumes it"
+KILLED_MESSAGE = "stopped (its command was killed); the same command resumes it"
 WEB_PORT = 8765
 WEB_IMAGES = 320
 SHAPE_SCENES = 160
@@ -186,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"make {args.target}: error: {error}", file=sys.stderr)
         return 2
     if is_supervised():
-        stop_with_supervisor()
+        stop_flow_with_supervisor()
         return run_here(args, config)
     return supervise(args, config, argv)
 
@@ -236,6 +239,23 @@ def run_flow_supervised(name: str, module_argv: list[str], kept: Callable[[], st
         return INTERRUPTED
 
 
+def stop_flow_with_supervisor() -> None:
+    """In the child of :func:`run_flow_supervised`: :func:`~tasks.runtime.stopping.stop_with_supervisor`, and once a
+    SIGKILL took the supervisor, what it would have done after the child too: the flow run marked Cancelled, the
+    temporary Prefect server stopped."""
+    stop_with_supervisor(after_work=_end_flow_run_and_server)
+
+
+def _end_flow_run_and_server() -> None:
+    noted_run = os.environ.get(FLOW_RUN_FILE_ENV)
+    if noted_run:
+        if Path(noted_run).is_file():
+            cancel_flow_run(os.environ["PREFECT_API_URL"], Path(noted_run).read_text(), KILLED_MESSAGE)
+        shutil.rmtree(Path(noted_run).parent, ignore_errors=True)  # the supervisor's notes folder
+    if os.environ.get(TEMPORARY_SERVER_ENV):
+        stop_noted(os.environ[TEMPORARY_SERVER_ENV])
+
+
 def run_here(args: argparse.Namespace, config: VipConfig) -> int:
     """The flow of ``args.target`` in this process, then the report; returns the exit status."""
     prepare_console()
@@ -283,7 +303,9 @@ def is_finished(folder: str) -> bool:
 def prefect_server_for_run() -> Iterator[list[int]]:
     """``make ui``'s Prefect server (or ``PREFECT_API_URL``'s) when it runs, else a temporary one on the same
     database in a session of its own, stopped after the flow; yields the process ids to spare while stopping."""
-    from flows.app.servers import free_port, prefect_url, start_prefect_server, stop, use_running_prefect_server
+    from flows.app.servers import (
+        free_port, noted, prefect_url, start_prefect_server, stop, use_running_prefect_server,
+    )
 
     if use_running_prefect_server():
         yield []
@@ -291,6 +313,7 @@ def prefect_server_for_run() -> Iterator[list[int]]:
     server = start_prefect_server(port=free_port())
     try:  # from here on: a Ctrl-C while the line below is said must not leave the server behind
         os.environ["PREFECT_API_URL"] = f"{server.url}/api"
+        os.environ[TEMPORARY_SERVER_ENV] = noted(server)  # for the flow's process, should this one be killed
         os.environ.setdefault("PREFECT_UI_URL", prefect_url())  # links to the run: make ui's server, which shows it
         say(f"a temporary Prefect server at {server.url}, stopped after the flow")
         yield [server.process.pid]

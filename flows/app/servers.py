@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+import psutil
+
 from tasks.runtime.environment import configure_environment, state_paths
 from tasks.runtime.stopping import INTERRUPTED
 
@@ -143,6 +145,26 @@ def stop(service: Service, timeout_s: float = 20.0) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(service.process.pid, signal.SIGKILL)
         service.process.wait()
+
+
+def noted(service: Service) -> str:
+    """How another process finds ``service`` again (:func:`stop_noted`): its process id and start time."""
+    return f"{service.process.pid} {psutil.Process(service.process.pid).create_time()!r}"
+
+
+def stop_noted(note: str, timeout_s: float = 20.0) -> None:
+    """:func:`stop` from a process that did not start the server: the one ``note`` (:func:`noted`) names, unless it
+    has ended (a process that took its id since is left alone)."""
+    pid, started = note.split()
+    with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+        server = psutil.Process(int(pid))
+        if repr(server.create_time()) != started:
+            return
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout_s)
+        except psutil.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
 
 
 @contextlib.contextmanager

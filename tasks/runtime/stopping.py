@@ -10,7 +10,8 @@ descendants become its children). On SIGINT, SIGTERM or SIGHUP it kills the chil
 descendant (:func:`stop_descendants`) but the processes it was asked to spare (a Prefect server the caller stops
 after the flow), marks the MLflow runs the command opened and left open KILLED (FAILED where the child died on its
 own), prints one line and returns :data:`INTERRUPTED`. A SIGKILL of this process cannot be caught: the child
-(:func:`stop_with_supervisor`) sees it gone and stops what it started, then itself.
+(:func:`stop_with_supervisor`) sees it gone and stops what it started, then what the supervisor would have stopped
+after it, then itself.
 """
 
 from __future__ import annotations
@@ -94,15 +95,18 @@ def run_supervised(command: list[str], *, stopped: Callable[[], str], spare: Ite
             signal.signal(number, handler)
 
 
-def stop_with_supervisor() -> None:
+def stop_with_supervisor(after_work: Callable[[], None] | None = None) -> None:
     """In the supervised child: once the supervising process is gone (a SIGKILL, which it cannot hear), stops what it
-    would have: every process this one started, the MLflow runs the command left open (KILLED), then this one."""
+    would have: every process this one started, the MLflow runs the command left open (KILLED), then what the
+    supervisor does after its child (``after_work``: a make target's flow run and temporary Prefect server), then
+    this one."""
     supervisor = os.getppid()
     _become_subreaper()
-    threading.Thread(target=_stop_when_gone, args=(supervisor,), name="vip-supervisor-watch", daemon=True).start()
+    threading.Thread(target=_stop_when_gone, args=(supervisor, after_work), name="vip-supervisor-watch",
+                     daemon=True).start()
 
 
-def _stop_when_gone(supervisor: int) -> None:
+def _stop_when_gone(supervisor: int, after_work: Callable[[], None] | None) -> None:
     while os.getppid() == supervisor:
         time.sleep(SUPERVISOR_POLL_S)
     silent = os.open(os.devnull, os.O_WRONLY)
@@ -113,6 +117,9 @@ def _stop_when_gone(supervisor: int) -> None:
         opened = Path(os.environ[OPENED_RUNS_ENV])
         _end_opened_runs(opened, "KILLED")
         shutil.rmtree(opened.parent, ignore_errors=True)  # the supervisor's notes folder, which it cannot remove now
+    if after_work is not None:
+        with contextlib.suppress(Exception):  # what it could not do stays as a supervisor's SIGKILL left it
+            after_work()
     os.killpg(os.getpgid(0), signal.SIGKILL)
 
 

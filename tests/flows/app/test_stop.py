@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -30,10 +31,10 @@ STOP_WITHIN_S = 30.0
 class Terminal:
     """A command started in a session of its own, as a shell starts it, its output collected in a file."""
 
-    def __init__(self, command: list[str], home: Path, log: Path) -> None:
+    def __init__(self, command: list[str], home: Path, log: Path, env: dict[str, str] | None = None) -> None:
         self.marker = uuid.uuid4().hex
         self.log = log
-        env = {**os.environ, "VIP_HOME": str(home), "VIP_TEST_MARKER": self.marker}
+        env = {**os.environ, "VIP_HOME": str(home), "VIP_TEST_MARKER": self.marker, **(env or {})}
         with open(log, "wb") as output:
             self.process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=output, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, start_new_session=True)
@@ -115,6 +116,33 @@ def test_ctrl_c_on_vip_render_stops_its_renderers_and_names_the_shards_kept(tmp_
     assert render.process.returncode == 130, text
     assert f"vip render: stopped. Kept in {output}: " in text and " shards." in text, text
     assert "Traceback" not in text and "Warning" not in text, text
+
+
+def test_a_kill_9_of_a_make_target_also_cancels_its_flow_run_and_stops_its_temporary_prefect_server(tmp_path):
+    """``kill -9`` of ``make render``'s process, which started the temporary Prefect server: the flow's own process
+    stops the rendering, marks the flow run Cancelled on that server and stops it; nothing of the command is left."""
+    prefect_home = tmp_path / "prefect"
+    command = [sys.executable, "-m", "flows.app.run", "render", "--yes", "--set", "data.render.num_images=100000",
+               "--set", "data.render.samples_per_shard=16"]
+    render = Terminal(command, tmp_path / "home", tmp_path / "render.log",
+                      env={"PREFECT_API_URL": "", "PREFECT_HOME": str(prefect_home)})
+    deadline = time.monotonic() + 300
+    while not list((tmp_path / "home" / "runs" / "tiny").glob("render-*/*.tar")):
+        assert render.process.poll() is None and time.monotonic() < deadline, render.output()
+        time.sleep(0.5)
+    try:
+        os.kill(render.process.pid, signal.SIGKILL)
+        started = time.monotonic()
+        while render.its_processes():
+            assert time.monotonic() - started < STOP_WITHIN_S, f"still running: {render.its_processes()}"
+            time.sleep(0.5)
+    finally:
+        for leftover in render.its_processes():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                psutil.Process(int(leftover.split()[0])).kill()
+    with contextlib.closing(sqlite3.connect(prefect_home / "prefect.db")) as database:
+        runs = database.execute("SELECT state_type, state_name FROM flow_run").fetchall()
+    assert runs == [("CANCELLED", "Cancelled")], render.output()[-3000:]
 
 
 @pytest.mark.skipif(Devices.here().gpus > 0, reason="the confirmation is for machines without a GPU")
