@@ -247,10 +247,10 @@ def stop_flow_with_supervisor() -> None:
 
 
 def _end_flow_run_and_server() -> None:
-    noted_run = os.environ.get(FLOW_RUN_FILE_ENV)
+    noted_run, api_url = os.environ.get(FLOW_RUN_FILE_ENV), os.environ.get("PREFECT_API_URL")
     if noted_run:
-        if Path(noted_run).is_file():
-            cancel_flow_run(os.environ["PREFECT_API_URL"], Path(noted_run).read_text(), KILLED_MESSAGE)
+        if api_url and Path(noted_run).is_file():
+            cancel_flow_run(api_url, Path(noted_run).read_text(), KILLED_MESSAGE)
         shutil.rmtree(Path(noted_run).parent, ignore_errors=True)  # the supervisor's notes folder
     if os.environ.get(TEMPORARY_SERVER_ENV):
         stop_noted(os.environ[TEMPORARY_SERVER_ENV])

@@ -161,10 +161,12 @@ def stop_noted(note: str, timeout_s: float = 20.0) -> None:
         if repr(server.create_time()) != started:
             return
         os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout_s)
-        except psutil.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
+        deadline = time.monotonic() + timeout_s
+        while server.status() != psutil.STATUS_ZOMBIE:  # not our child: its new parent may not reap it at once
+            if time.monotonic() > deadline:
+                os.killpg(server.pid, signal.SIGKILL)
+                return
+            time.sleep(0.1)
 
 
 @contextlib.contextmanager
