@@ -57,11 +57,16 @@ class Terminal:
         """Ctrl-C: SIGINT to the command's process group; returns the seconds until none of its processes is left."""
         assert self.its_processes(), "nothing running to stop"
         os.killpg(self.process.pid, signal.SIGINT)
+        seconds = self.wait_until_gone()
+        self.process.wait(timeout=5)
+        return seconds
+
+    def wait_until_gone(self) -> float:
+        """The seconds until none of this command's processes is left, at most :data:`STOP_WITHIN_S`."""
         started = time.monotonic()
         while self.its_processes():
             assert time.monotonic() - started < STOP_WITHIN_S, f"still running: {self.its_processes()}"
             time.sleep(0.5)
-        self.process.wait(timeout=5)
         return time.monotonic() - started
 
 
@@ -132,10 +137,7 @@ def test_a_kill_9_of_a_make_target_also_cancels_its_flow_run_and_stops_its_tempo
         time.sleep(0.5)
     try:
         os.kill(render.process.pid, signal.SIGKILL)
-        started = time.monotonic()
-        while render.its_processes():
-            assert time.monotonic() - started < STOP_WITHIN_S, f"still running: {render.its_processes()}"
-            time.sleep(0.5)
+        render.wait_until_gone()
     finally:
         for leftover in render.its_processes():
             with contextlib.suppress(psutil.NoSuchProcess):
