@@ -227,8 +227,7 @@ def run_flow_supervised(name: str, module_argv: list[str], kept: Callable[[], st
     os.environ[FLOW_RUN_FILE_ENV] = str(flow_run_file)
 
     def stopped() -> str:
-        if flow_run_file.is_file():
-            cancel_flow_run(os.environ["PREFECT_API_URL"], flow_run_file.read_text(), STOPPED_MESSAGE)
+        _cancel_noted_flow_run(flow_run_file, STOPPED_MESSAGE)
         return kept()
 
     try:
@@ -247,13 +246,18 @@ def stop_flow_with_supervisor() -> None:
 
 
 def _end_flow_run_and_server() -> None:
-    noted_run, api_url = os.environ.get(FLOW_RUN_FILE_ENV), os.environ.get("PREFECT_API_URL")
-    if noted_run:
-        if api_url and Path(noted_run).is_file():
-            cancel_flow_run(api_url, Path(noted_run).read_text(), KILLED_MESSAGE)
-        shutil.rmtree(Path(noted_run).parent, ignore_errors=True)  # the supervisor's notes folder
+    if os.environ.get(FLOW_RUN_FILE_ENV):
+        flow_run_file = Path(os.environ[FLOW_RUN_FILE_ENV])
+        _cancel_noted_flow_run(flow_run_file, KILLED_MESSAGE)
+        shutil.rmtree(flow_run_file.parent, ignore_errors=True)  # the supervisor's notes folder
     if os.environ.get(TEMPORARY_SERVER_ENV):
         stop_noted(os.environ[TEMPORARY_SERVER_ENV])
+
+
+def _cancel_noted_flow_run(flow_run_file: Path, message: str) -> None:
+    """Marks the flow run noted in ``flow_run_file`` (:func:`noting_flow_run`), if it started, Cancelled."""
+    if flow_run_file.is_file() and os.environ.get("PREFECT_API_URL"):
+        cancel_flow_run(os.environ["PREFECT_API_URL"], flow_run_file.read_text(), message)
 
 
 def run_here(args: argparse.Namespace, config: VipConfig) -> int:

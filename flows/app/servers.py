@@ -137,14 +137,9 @@ def stop(service: Service, timeout_s: float = 20.0) -> None:
     """Stops the server and the processes it started (its own process group)."""
     if service.process.poll() is not None:
         return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(service.process.pid, signal.SIGTERM)
-    try:
-        service.process.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(service.process.pid, signal.SIGKILL)
-        service.process.wait()
+    with contextlib.suppress(psutil.NoSuchProcess):
+        _stop_group(psutil.Process(service.process.pid), timeout_s)
+    service.process.wait()
 
 
 def noted(service: Service) -> str:
@@ -156,15 +151,21 @@ def stop_noted(note: str, timeout_s: float = 20.0) -> None:
     """:func:`stop` from a process that did not start the server: the one ``note`` (:func:`noted`) names, unless it
     has ended (a process that took its id since is left alone)."""
     pid, started = note.split()
-    with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+    with contextlib.suppress(psutil.NoSuchProcess):
         server = psutil.Process(int(pid))
-        if repr(server.create_time()) != started:
-            return
-        os.killpg(server.pid, signal.SIGTERM)
+        if repr(server.create_time()) == started:
+            _stop_group(server, timeout_s)
+
+
+def _stop_group(leader: psutil.Process, timeout_s: float) -> None:
+    """SIGTERM to ``leader``'s process group, SIGKILL after ``timeout_s``; returns once the leader has exited (a
+    zombie counts: its parent, maybe not this process, reaps it)."""
+    with contextlib.suppress(ProcessLookupError, psutil.NoSuchProcess):
+        os.killpg(leader.pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
-        while server.status() != psutil.STATUS_ZOMBIE:  # not our child: its new parent may not reap it at once
+        while leader.status() != psutil.STATUS_ZOMBIE:
             if time.monotonic() > deadline:
-                os.killpg(server.pid, signal.SIGKILL)
+                os.killpg(leader.pid, signal.SIGKILL)
                 return
             time.sleep(0.1)
 
