@@ -575,18 +575,34 @@ def test_the_probe_passes_ieee_float32_and_catches_a_coarser_accumulator():
     assert "erred by" in numerics.probe_matrix_units(bfloat16_output, cpu, numerics.TENSOR_CORE_ROUNDOFF)
 
     def truncating(a, b, bits=20):
-        """Accumulates in float64, then keeps ``bits`` bits after the leading one, rounding toward zero."""
-        products = (a.double().mT * b.double()).flatten()
-        total = 0.0
-        for product in products.tolist():
-            total += product
-            if total:
-                quantum = 2.0 ** (math.floor(math.log2(abs(total))) - bits)
-                total = math.trunc(total / quantum) * quantum
-        return torch.tensor([[[total]]])
+        """Adds each entry's products one by one in float64, keeping ``bits`` bits after the leading one (rounding
+        toward zero) after each addition."""
+        a, b = a.double(), b.double()  # [n, M, K], [n, K, N]
+        total = torch.zeros(a.shape[0], a.shape[1], b.shape[2], dtype=torch.float64)  # [n, M, N]
+        for k in range(a.shape[2]):
+            total += a[:, :, k:k + 1] * b[:, k:k + 1, :]
+            exponent = torch.frexp(total).exponent  # |total| = m·2^e with 1/2 <= m < 1
+            quantum = torch.ldexp(torch.ones_like(total), exponent - 1 - bits)
+            total = torch.trunc(total / quantum) * quantum
+        return total.float()
 
     assert "erred by" in numerics.probe_matrix_units(truncating, cpu, numerics.TENSOR_CORE_ROUNDOFF)
     assert numerics.probe_matrix_units(lambda a, b: truncating(a, b, 22), cpu, numerics.TENSOR_CORE_ROUNDOFF) is None
+    not_a_number = lambda a, b: torch.full((a.shape[0], a.shape[1], b.shape[2]), math.nan)  # noqa: E731
+    assert "erred by nan" in numerics.probe_matrix_units(not_a_number, cpu, numerics.TENSOR_CORE_ROUNDOFF)
+
+
+def test_the_probe_multiplies_batches_of_tile_sized_matrices_as_the_engine_does():
+    """A library may run a single dot product on another kernel than the GEMMs of the engine's Grams and sums."""
+    shapes = []
+
+    def recording(a, b):
+        shapes.append((tuple(a.shape), tuple(b.shape)))
+        return numerics.CPU_MIXED.bmm(a, b)
+
+    assert numerics.probe_matrix_units(recording, torch.device("cpu"), numerics.TENSOR_CORE_ROUNDOFF) is None
+    assert shapes and all(left[0] >= 2 and left[1] >= 128 and right[2] >= 128 for left, right in shapes)
+    assert {left[2] for left, _ in shapes} >= {2, 1024, 4096}  # every length of dot product, each in one product
 
 
 def test_a_device_whose_tensor_cores_fail_the_probe_falls_back_to_ieee_float32_with_a_warning(monkeypatch):
