@@ -65,7 +65,9 @@ not by the device.
 (None for another preset, or with ``--width``).
 
 ``max_abs_err_vs_naive``: the engine's clipped sum (noise off) against a one-sample-at-a-time autograd
-reference on the first samples of the batch, with fixed masks, as the largest absolute difference.
+reference on the first samples of the batch, with fixed masks, as the largest absolute difference. This and the
+noise sampler's figures below do not depend on the batch size: ``vip bench gpu-check`` measures them at its first
+batch size only.
 
 ``noise_ns_per_coordinate_one_thread`` and ``noise_ns_per_coordinate_every_core``: the default-mode CPU noise sampler
 alone (``GaussianDraw.fill``, the engine's helper-thread path) filling ``NOISE_COORDINATES`` coordinates already in
@@ -79,7 +81,7 @@ import statistics
 import time
 import warnings
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 # The DP step's targets on the paper's shapes (issue 14): time against the non-private step of the same run, and
 # peak memory. A preset without one, or one narrowed by --width (other shapes), gets none.
@@ -93,10 +95,12 @@ NOISE_ROUNDS = 7  # timed, after one untimed round (the helpers' scratch memory 
 def bench_dp_step(
     *, preset: str, img_size: int, batch: int, repeats: int, warmup: int, threads: int, opacus: bool, seed: int,
     precision: str = "fp32", microbatches: int = 1, device: str = "cpu", secure: bool = True,
-    strict: bool = False, width: int | None = None,
+    strict: bool = False, width: int | None = None, opacus_hooks: bool = True, reference: bool = True,
 ) -> dict[str, Any]:
     """Times and measures every mode on the MAE of ``preset`` at ``img_size``, a logical step being
-    ``microbatches`` physical batches of ``batch``; returns the figures."""
+    ``microbatches`` physical batches of ``batch``; returns the figures. ``opacus_hooks``: opacus's per-sample hooks
+    beside its ghost clipping, where ``opacus``; ``reference``: the figures that do not depend on the batch size
+    (the engine against a one-sample-at-a-time reference on the CPU, the CPU noise sampler's speed)."""
     if microbatches > 1 and opacus:
         raise ValueError("--microbatches above 1 times this engine and the non-private step only: add --no-opacus")
     import torch
@@ -111,14 +115,14 @@ def bench_dp_step(
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Full backward hook", category=UserWarning)
             return _bench(preset, img_size, batch, repeats, warmup, opacus, seed, precision, microbatches, where,
-                          secure, strict, width)
+                          secure, strict, width, opacus_hooks=opacus_hooks, reference=reference)
     finally:
         torch.set_num_threads(previous_threads)
 
 
 def _bench(preset: str, img_size: int, batch: int, repeats: int, warmup: int, opacus: bool, seed: int,
            precision: str, microbatches: int, device: Any, secure: bool, strict: bool,
-           width: int | None) -> dict[str, Any]:
+           width: int | None, *, opacus_hooks: bool, reference: bool) -> dict[str, Any]:
     import torch
 
     from vip_core.config import get_preset, with_overrides
@@ -130,7 +134,7 @@ def _bench(preset: str, img_size: int, batch: int, repeats: int, warmup: int, op
     config = with_overrides(config, {"model.img_size": img_size, **_narrowed(width)})
     torch.manual_seed(seed)
     images = torch.randn(microbatches * batch, 3, img_size, img_size)  # images: [K*B, 3, S, S]
-    steps = _step_functions(config, images.to(device), batch, opacus, precision, secure, strict)
+    steps = _step_functions(config, images.to(device), batch, opacus, precision, secure, strict, opacus_hooks)
     rounds, cpu_rounds = _interleaved_rounds(steps, repeats, warmup)
     seconds, cpu_seconds = _medians(rounds), _medians(cpu_rounds)
     peaks = {name: _peak_bytes(step, state) for name, (step, state) in steps.items()}
@@ -160,18 +164,24 @@ def _bench(preset: str, img_size: int, batch: int, repeats: int, warmup: int, op
             if mode != "dp_secure":
                 result[f"{mode}_peak_mem_ratio"] = peaks[mode] / peaks["nonprivate"]
     result["kernels_s" if device.type == "cuda" else "phases_s"] = phases
-    result["max_abs_err_vs_naive"] = naive_error(config, images[:NAIVE_SAMPLES])
     result["clip_shortfall"] = clip_shortfall(config, images[:batch].to(device), precision)
-    from vip_core.privacy.buffer import usable_cores
-
-    cores = usable_cores()
-    result["cores"] = cores
-    result["noise_ns_per_coordinate_one_thread"] = noise_ns_per_coordinate(1)
-    result["noise_ns_per_coordinate_every_core"] = noise_ns_per_coordinate(cores)
+    if reference:
+        result.update(_reference_figures(config, images))
     result.update(_against_target(preset, width, result))
     if opacus:
         result["opacus_model"] = "the same MAE modules re-assembled with cls/mask tokens in submodules (opacus_mae)"
     return result
+
+
+def _reference_figures(config: Any, images: Any) -> dict[str, Any]:
+    """The figures that do not depend on the batch size: the engine's largest error against a one-sample-at-a-time
+    reference (on the CPU), and the CPU noise sampler's speed on one thread and on every core."""
+    from vip_core.privacy.buffer import usable_cores
+
+    cores = usable_cores()
+    return {"max_abs_err_vs_naive": naive_error(config, images[:NAIVE_SAMPLES]), "cores": cores,
+            "noise_ns_per_coordinate_one_thread": noise_ns_per_coordinate(1),
+            "noise_ns_per_coordinate_every_core": noise_ns_per_coordinate(cores)}
 
 
 def _against_target(preset: str, width: int | None, result: dict[str, Any]) -> dict[str, Any]:
@@ -199,7 +209,8 @@ LR = 1e-4
 
 
 def _step_functions(config: Any, images: Any, batch: int, opacus: bool, precision: str,
-                    secure: bool, strict: bool = False) -> dict[str, tuple[Callable[[], None], list]]:
+                    secure: bool, strict: bool = False,
+                    opacus_hooks: bool = True) -> dict[str, tuple[Callable[[], None], list]]:
     """``name -> (one optimiser step, tensors held between steps)`` for every mode, each on its own copy, with
     its forward in ``precision``."""
     from torch.profiler import record_function
@@ -239,6 +250,7 @@ def _step_functions(config: Any, images: Any, batch: int, opacus: bool, precisio
         steps["dp_strict"] = _private_step(base, images, batch, forward, secure=False, strict=True)
     if opacus:
         steps["opacus_ghost"] = _opacus_step(base, images, forward, ghost=True)
+    if opacus and opacus_hooks:
         steps["opacus_hooks"] = _opacus_step(base, images, forward, ghost=False)
     if images.device.type == "cuda":
         steps = {name: (_synchronized(step, images.device), held) for name, (step, held) in steps.items()}
@@ -457,8 +469,9 @@ def _kernel_seconds(step: Callable[[], None]) -> dict[str, dict[str, float]]:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as profiler:
         step()
+    launched_on = _launching_dtypes(profiler.events())
     ranges, kernels = [], []
     for event in profiler.key_averages():
         if event.device_type == DeviceType.CUDA:
@@ -469,26 +482,48 @@ def _kernel_seconds(step: Callable[[], None]) -> dict[str, dict[str, float]]:
     spans = {e.key.removeprefix("vip."): e.device_time_total / 1e6 for e in ranges if e.key.startswith("vip.")}
     by_precision: dict[str, float] = {}
     for event in kernels:
-        kind = kernel_precision(event.key)
+        kind = kernel_precision(event.key, launched_on.get(event.key, set()))
         by_precision[kind] = by_precision.get(kind, 0.0) + event.self_device_time_total / 1e6
     return {"kernels": seconds, "ranges": spans, "by_precision": by_precision}
 
 
-def kernel_precision(name: str) -> str:
-    """A CUDA kernel's kind from its name: ``matmul_bf16`` and ``matmul_fp16`` (tensor cores), ``matmul_tf32``,
-    ``matmul_fp32`` (IEEE float32 on CUDA cores), or ``other`` (elementwise, reductions, copies)."""
+def _launching_dtypes(events: Any) -> dict[str, set[str]]:
+    """Each kernel's name, with the input dtypes of the operators that launched it (torch's profiler attaches a
+    kernel to the operator whose launch it correlates with; shapes and dtypes are recorded with ``record_shapes``)."""
+    dtypes: dict[str, set[str]] = {}
+    for event in events:
+        for kernel in event.kernels:
+            dtypes.setdefault(kernel.name, set()).update(getattr(event, "input_dtypes", None) or ())
+    return dtypes
+
+
+_MATMUL_WORDS = ("gemm", "matmul", "xmma", "cutlass", "wgmma", "sm90_", "nvjet", "flash", "fmha")
+_PRECISION_MARKERS = (("bf16", "matmul_bf16"), ("bfloat16", "matmul_bf16"), ("tf32", "matmul_tf32"),
+                      ("f16", "matmul_fp16"), ("h16", "matmul_fp16"), ("half_t", "matmul_fp16"),
+                      ("s1688", "matmul_tf32"))
+_DTYPE_KINDS = {"c10::BFloat16": "matmul_bf16", "c10::Half": "matmul_fp16"}
+
+
+def kernel_precision(name: str, launched_on: Collection[str] = ()) -> str:
+    """A CUDA kernel's kind: ``matmul_bf16`` and ``matmul_fp16`` (tensor cores), ``matmul_tf32``, ``matmul_fp32``
+    (IEEE float32 on CUDA cores), or ``other`` (elementwise, reductions, copies). From its name, and where the name
+    gives no precision (cuBLAS's ``nvjet`` kernels), from ``launched_on``, the input dtypes of the operators that
+    launched it."""
     lowered = name.lower()
-    if not any(word in lowered for word in ("gemm", "matmul", "xmma", "cutlass", "wgmma", "sm90_")):
+    if not any(word in lowered for word in _MATMUL_WORDS):
         return "other"
-    for marker, kind in (("bf16", "matmul_bf16"), ("tf32", "matmul_tf32"), ("f16", "matmul_fp16"),
-                         ("h16", "matmul_fp16"), ("s1688", "matmul_tf32")):
+    for marker, kind in _PRECISION_MARKERS:
         if marker in lowered:
+            return kind
+    for dtype, kind in _DTYPE_KINDS.items():
+        if dtype in launched_on:
             return kind
     return "matmul_fp32"
 
 
-_MATMULS = {"aten.mm.default": (0, 1), "aten.bmm.default": (0, 1), "aten.addmm.default": (1, 2),
-            "aten.baddbmm.default": (1, 2)}
+# each matmul's operands (by position); ``bmm.dtype`` is the engine's tensor-core product (bfloat16 in, float32 out)
+_MATMULS = {"aten.mm.default": (0, 1), "aten.bmm.default": (0, 1), "aten.bmm.dtype": (0, 1),
+            "aten.addmm.default": (1, 2), "aten.baddbmm.default": (1, 2)}
 
 
 def step_work(step: Callable[[], None]) -> dict[str, float]:

@@ -53,8 +53,8 @@ def _register_gpu_check(benchmarks: Any) -> None:
         benchmarks, "gpu-check", handle_gpu_check,
         help="on a GPU machine: the gpu tests, then the DP step against the non-private one and opacus, one table",
         description="Runs `pytest -m gpu` on the privacy and benchmark tests, then `vip bench dp-step` of the preset's "
-        "MAE under bf16 at each batch size (the strict IEEE float32 mode, and opacus's ghost clipping and per-sample "
-        "hooks at --opacus-batches, in the same runs), and prints one table against the targets: DP <= x1.3 the "
+        "MAE under bf16 at each batch size (the strict IEEE float32 mode, and opacus's ghost clipping at "
+        "--opacus-batches, in the same runs), and prints one table against the targets: DP <= x1.3 the "
         "non-private step, memory <= x1.2, ahead of opacus ghost. About 8 minutes of an H100 or H200.",
     )
     add_json(parser)
@@ -62,9 +62,8 @@ def _register_gpu_check(benchmarks: Any) -> None:
     parser.add_argument("--img-size", type=count(1), default=224, help="image side in pixels (default: 224)")
     parser.add_argument("--batches", type=count(1), nargs="+", default=[256, 512],
                         help="physical batch sizes, one row each (default: 256 512)")
-    parser.add_argument("--opacus-batches", type=count(1), nargs="*", default=[256],
-                        help="the batch sizes at which opacus runs too (default: 256; its per-sample hooks hold "
-                        "every sample's gradient)")
+    parser.add_argument("--opacus-batches", type=count(1), nargs="*", default=[256, 512],
+                        help="the batch sizes at which opacus's ghost clipping runs too (default: 256 512)")
     parser.add_argument("--repeats", type=count(1), default=5, help="timed rounds of every mode (default: 5)")
     parser.add_argument("--warmup", type=count(0), default=2, help="untimed rounds first (default: 2)")
     parser.add_argument("--no-tests", action="store_true", help="skip `pytest -m gpu`")

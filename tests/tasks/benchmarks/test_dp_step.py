@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from tasks.benchmarks.dp_step import opacus_mae
+from tasks.benchmarks.dp_step import opacus_mae, step_work
 from tasks.cli import main
 from vip_core.config import get_preset
 from vip_core.models.mae import build_mae
@@ -87,6 +87,23 @@ def test_kernel_names_are_sorted_by_precision():
     assert kernel_precision("ampere_sgemm_128x64_tn") == "matmul_fp32"
     assert kernel_precision("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>") \
         == "other"
+    # the attention of timm's blocks under bf16 (flash attention names its dtype as CUTLASS's)
+    flash = "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4, false, false, " \
+        "cutlass::bfloat16_t, Flash_kernel_traits<64, 128, 128, 4, cutlass::bfloat16_t>>, false, false>"
+    assert kernel_precision(flash) == "matmul_bf16"
+    # cuBLAS's newer kernels name no precision: the dtypes of the operator that launched them do
+    nvjet = "nvjet_sm90_tst_128x256_64x4_1x2_h_bz_coopA_NNT"
+    assert kernel_precision(nvjet, {"c10::BFloat16"}) == "matmul_bf16"
+    assert kernel_precision(nvjet, {"float"}) == "matmul_fp32"
+    assert kernel_precision(nvjet) == "matmul_fp32"
+
+
+def test_a_tensor_core_product_counts_as_bfloat16_work():
+    """The engine's Grams and sums on a GPU are ``bmm`` with bfloat16 operands and float32 output (``bmm.dtype``,
+    which runs on CUDA and the meta device only)."""
+    left, right = (torch.empty(4, 8, 16, dtype=torch.bfloat16, device="meta") for _ in range(2))
+    work = step_work(lambda: torch.bmm(left, right.mT, out_dtype=torch.float32))
+    assert work["matmul_gflop_bf16"] == 2 * 4 * 8 * 16 * 8 / 1e9 and work["matmul_gflop_fp32"] == 0
 
 
 def test_bench_at_a_narrow_width_times_the_presets_layers_with_little_compute(capsys):
