@@ -575,25 +575,33 @@ def test_the_probe_passes_ieee_float32_and_catches_a_coarser_accumulator():
     assert "erred by" in numerics.probe_matrix_units(bfloat16_output, cpu, numerics.TENSOR_CORE_ROUNDOFF)
 
     def truncating(a, b, bits=20):
-        """Adds each entry's products one by one in float64, keeping ``bits`` bits after the leading one (rounding
-        toward zero) after each addition."""
-        a, b = a.double(), b.double()  # [n, M, K], [n, K, N]
-        total = torch.zeros(a.shape[0], a.shape[1], b.shape[2], dtype=torch.float64)  # [n, M, N]
-        for k in range(a.shape[2]):
-            total += a[:, :, k:k + 1] * b[:, k:k + 1, :]
+        """The diagonal of each product (all that the probe reads; 0 elsewhere), its products added one by one in
+        float64, keeping ``bits`` bits after the leading one (rounding toward zero) after each addition."""
+        size = min(a.shape[1], b.shape[2])
+        products = a[:, :size].double() * b[:, :, :size].double().mT  # the diagonals' products: [n, size, K]
+        total = torch.zeros(products.shape[:2], dtype=torch.float64)  # [n, size]
+        for k in range(products.shape[2]):
+            total += products[:, :, k]
             exponent = torch.frexp(total).exponent  # |total| = m·2^e with 1/2 <= m < 1
             quantum = torch.ldexp(torch.ones_like(total), exponent - 1 - bits)
             total = torch.trunc(total / quantum) * quantum
-        return total.float()
+        got = torch.zeros(a.shape[0], a.shape[1], b.shape[2])
+        got.diagonal(dim1=1, dim2=2).copy_(total)
+        return got
 
     assert "erred by" in numerics.probe_matrix_units(truncating, cpu, numerics.TENSOR_CORE_ROUNDOFF)
     assert numerics.probe_matrix_units(lambda a, b: truncating(a, b, 22), cpu, numerics.TENSOR_CORE_ROUNDOFF) is None
+    for rows in (1, 128):  # a device whose kernel for one of the shapes truncates is caught by that shape
+        one_kernel = lambda a, b: truncating(a, b) if a.shape[1] == rows else numerics.CPU_MIXED.bmm(a, b)  # noqa: E731
+        failure = numerics.probe_matrix_units(one_kernel, cpu, numerics.TENSOR_CORE_ROUNDOFF)
+        assert "erred by" in failure and f"[{rows}, " in failure
     not_a_number = lambda a, b: torch.full((a.shape[0], a.shape[1], b.shape[2]), math.nan)  # noqa: E731
     assert "erred by nan" in numerics.probe_matrix_units(not_a_number, cpu, numerics.TENSOR_CORE_ROUNDOFF)
 
 
-def test_the_probe_multiplies_batches_of_tile_sized_matrices_as_the_engine_does():
-    """A library may run a single dot product on another kernel than the GEMMs of the engine's Grams and sums."""
+def test_the_probe_multiplies_in_the_shapes_of_the_engines_grams():
+    """A library picks its kernel by shape: the probe multiplies as batched dot products (the Grams of one token per
+    sample) and as a wide batch of tile-sized products (the Grams of many tokens), not as one dot product."""
     shapes = []
 
     def recording(a, b):
@@ -601,8 +609,9 @@ def test_the_probe_multiplies_batches_of_tile_sized_matrices_as_the_engine_does(
         return numerics.CPU_MIXED.bmm(a, b)
 
     assert numerics.probe_matrix_units(recording, torch.device("cpu"), numerics.TENSOR_CORE_ROUNDOFF) is None
-    assert shapes and all(left[0] >= 2 and left[1] >= 128 and right[2] >= 128 for left, right in shapes)
-    assert {left[2] for left, _ in shapes} >= {2, 1024, 4096}  # every length of dot product, each in one product
+    dots = {left[2] for left, right in shapes if left[1] == right[2] == 1 and left[0] > 1}  # T = 1 Grams
+    tiles = {left[2] for left, right in shapes if left[0] >= 64 and left[1] >= 128 and right[2] >= 128}
+    assert len(shapes) == 2 * len(dots) and dots == tiles and dots >= {2, 1024, 4096}  # each length in both shapes
 
 
 def test_a_device_whose_tensor_cores_fail_the_probe_falls_back_to_ieee_float32_with_a_warning(monkeypatch):
