@@ -121,19 +121,20 @@ def _probe_once(device: str) -> str | None:
 _PROBE_SMALL = ((3 * 2.0**-11, 2.0**-11), (2.0**-10, 2.0**-10), (2.0**-9, 2.0**-8))  # 3·2^-22, 2^-20, 2^-17
 _PROBE_LENGTHS = (2, 3, 8, 17, 64, 257, 1024)
 _PROBE_SCALES = (2.0**-60, 1.0, 2.0**60)
-# The shapes the probe multiplies its dot products in, as (rows of each matrix, least batch): batched dot products
-# (the Grams of a Linear given one token per sample), and a batch of 64 products of 128-row matrices (the Grams of
-# many tokens), wide enough that a library has no reason to split a reduction across blocks of threads.
-_PROBE_SHAPES = ((1, 2), (128, 64))
+# The shapes the probe multiplies its dot products in, as (rows of each matrix, matrices in the product; None: as
+# many as the dot products, at least 2): a library picks its kernel by shape, batch count included (torch calls a
+# plain GEMM for a batch of one). One dot product alone and batched dot products (the Grams of one token per
+# sample); one product of 128-row matrices and a batch of 64 (the Grams of many tokens).
+_PROBE_SHAPES = ((1, 1), (1, None), (128, 1), (128, 64))
 
 
 def probe_matrix_units(bmm: Any, device: torch.device, unit_roundoff: float) -> str | None:
     """Checks a matmul's accumulation against ``unit_roundoff`` on dot products of bfloat16 vectors whose exact
     values are known: a product of 1 with many small products of either sign, at the start, middle or end of the
-    reduction and at three scales, and random vectors of mixed magnitudes. The dot products of one length are the
-    diagonals of one batched product in each of ``_PROBE_SHAPES`` (:func:`_probe_products`). Returns None when
-    every result lies within ``γ_K(u)·Σ|products|`` of the exact value (the products are exact, and their float64
-    sum errs far below that), else what failed."""
+    reduction and at three scales, and random vectors of mixed magnitudes. Each length's dot products are multiplied
+    in every shape of ``_PROBE_SHAPES`` (:func:`_probe_products`). Returns None when every result lies within
+    ``γ_K(u)·Σ|products|`` of the exact value (the products are exact, and their float64 sum errs far below that),
+    else what failed."""
     cases = [_probe_vectors(length, small, sign, where, scale)
              for length in _PROBE_LENGTHS for small in _PROBE_SMALL for sign in (1.0, -1.0)
              for where in ("start", "middle", "end") for scale in _PROBE_SCALES]
@@ -146,32 +147,33 @@ def probe_matrix_units(bmm: Any, device: torch.device, unit_roundoff: float) -> 
     for left, right in cases:
         by_length.setdefault(len(left), []).append((left, right))
     for pairs in by_length.values():
-        for size, least_batch in _PROBE_SHAPES:
-            failure = _probe_products(bmm, device, unit_roundoff, pairs, size, least_batch)
-            if failure is not None:
-                return failure
+        for rows, matrices in _PROBE_SHAPES:
+            matrices = matrices or max(2, len(pairs))
+            for start in range(0, len(pairs), rows * matrices):
+                failure = _probe_products(bmm, device, unit_roundoff, pairs[start:start + rows * matrices], rows,
+                                          matrices)
+                if failure is not None:
+                    return failure
     return None
 
 
 def _probe_products(bmm: Any, device: torch.device, unit_roundoff: float,
-                    pairs: list[tuple[torch.Tensor, torch.Tensor]], size: int, least_batch: int) -> str | None:
-    """:func:`probe_matrix_units` on ``pairs`` of float64 vectors of one length ``K``, multiplied as a batch of at
-    least ``least_batch`` ``[size, K] @ [K, size]`` products: pair ``c``'s vectors, rounded to bfloat16, are row
-    ``c % size`` of left matrix ``c // size`` and the same column of the right one (every other entry 0), so that
-    their dot product is entry ``(c % size, c % size)`` of product ``c // size``."""
+                    pairs: list[tuple[torch.Tensor, torch.Tensor]], rows: int, matrices: int) -> str | None:
+    """:func:`probe_matrix_units` on up to ``rows · matrices`` ``pairs`` of float64 vectors of one length ``K``,
+    multiplied as one batch of ``matrices`` ``[rows, K] @ [K, rows]`` products: pair ``c``'s vectors, rounded to
+    bfloat16, are row ``r = c // matrices`` of left matrix ``c % matrices`` and column ``r`` of the right one (every
+    other entry 0), so that their dot product is entry ``(r, r)`` of that product."""
     left = torch.stack([pair[0] for pair in pairs]).bfloat16()  # [c, K]: the values the device multiplies
     right = torch.stack([pair[1] for pair in pairs]).bfloat16()  # [c, K]
     count, length = left.shape
-    batch = max(least_batch, -(-count // size))
-    rows, columns = (torch.zeros(batch * size, length, dtype=torch.bfloat16) for _ in range(2))
-    rows[:count], columns[:count] = left, right
-    rows = rows.view(batch, size, length).to(device)  # [n, size, K]
-    columns = columns.view(batch, size, length).to(device).transpose(1, 2)  # [n, K, size]
+    matrix, row = torch.arange(count) % matrices, torch.arange(count) // matrices  # where each pair goes: [c] each
+    lefts, rights = (torch.zeros(matrices, rows, length, dtype=torch.bfloat16) for _ in range(2))
+    lefts[matrix, row], rights[matrix, row] = left, right
     try:
-        got = bmm(rows, columns)  # [n, size, size]
+        got = bmm(lefts.to(device), rights.to(device).transpose(1, 2))  # [m, rows, rows]
     except RuntimeError as error:
         return f"its bfloat16 matmul with float32 output failed: {error}"
-    computed = got.diagonal(dim1=1, dim2=2).reshape(-1)[:count].double().cpu()  # [c]
+    computed = got.cpu()[matrix, row, row].double()  # [c]
     products = left.double() * right.double()  # [c, K]: exact
     error = (computed - products.sum(1)).abs()
     allowed = gamma(length, unit_roundoff) * products.abs().sum(1)
@@ -180,7 +182,8 @@ def _probe_products(bmm: Any, device: torch.device, unit_roundoff: float,
         return None
     first = int(failed[0])
     return (f"a dot product of {length} terms erred by {float(error[first]):.3g} where the bound allows "
-            f"{float(allowed[first]):.3g} (in a batch of {batch} [{size}, {length}] @ [{length}, {size}] products)")
+            f"{float(allowed[first]):.3g} (in a batch of {matrices} [{rows}, {length}] @ [{length}, {rows}] "
+            "products)")
 
 
 def _probe_vectors(length: int, small: tuple[float, float], sign: float, where: str,

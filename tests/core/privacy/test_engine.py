@@ -591,17 +591,22 @@ def test_the_probe_passes_ieee_float32_and_catches_a_coarser_accumulator():
 
     assert "erred by" in numerics.probe_matrix_units(truncating, cpu, numerics.TENSOR_CORE_ROUNDOFF)
     assert numerics.probe_matrix_units(lambda a, b: truncating(a, b, 22), cpu, numerics.TENSOR_CORE_ROUNDOFF) is None
-    for rows in (1, 128):  # a device whose kernel for one of the shapes truncates is caught by that shape
-        one_kernel = lambda a, b: truncating(a, b) if a.shape[1] == rows else numerics.CPU_MIXED.bmm(a, b)  # noqa: E731
+    for rows, alone in ((1, True), (1, False), (128, True), (128, False)):
+        # a device that truncates in its kernel for one of the shapes only is caught by that shape
+        def one_kernel(a, b, rows=rows, alone=alone):
+            picked = a.shape[1] == rows and (a.shape[0] == 1) == alone
+            return truncating(a, b) if picked else numerics.CPU_MIXED.bmm(a, b)
+
         failure = numerics.probe_matrix_units(one_kernel, cpu, numerics.TENSOR_CORE_ROUNDOFF)
-        assert "erred by" in failure and f"[{rows}, " in failure
+        assert "erred by" in failure and f"[{rows}, " in failure and ("in a batch of 1 " in failure) == alone
     not_a_number = lambda a, b: torch.full((a.shape[0], a.shape[1], b.shape[2]), math.nan)  # noqa: E731
     assert "erred by nan" in numerics.probe_matrix_units(not_a_number, cpu, numerics.TENSOR_CORE_ROUNDOFF)
 
 
 def test_the_probe_multiplies_in_the_shapes_of_the_engines_grams():
-    """A library picks its kernel by shape: the probe multiplies as batched dot products (the Grams of one token per
-    sample) and as a wide batch of tile-sized products (the Grams of many tokens), not as one dot product."""
+    """A library picks its kernel by shape, batch count included: the probe multiplies each length's dot products
+    alone and batched (the Grams of one token per sample) and in 128-row products, alone and batched (the Grams of
+    many tokens)."""
     shapes = []
 
     def recording(a, b):
@@ -609,9 +614,11 @@ def test_the_probe_multiplies_in_the_shapes_of_the_engines_grams():
         return numerics.CPU_MIXED.bmm(a, b)
 
     assert numerics.probe_matrix_units(recording, torch.device("cpu"), numerics.TENSOR_CORE_ROUNDOFF) is None
-    dots = {left[2] for left, right in shapes if left[1] == right[2] == 1 and left[0] > 1}  # T = 1 Grams
-    tiles = {left[2] for left, right in shapes if left[0] >= 64 and left[1] >= 128 and right[2] >= 128}
-    assert len(shapes) == 2 * len(dots) and dots == tiles and dots >= {2, 1024, 4096}  # each length in both shapes
+    lengths = {left[2] for left, _ in shapes}
+    assert lengths >= {2, 1024, 4096}
+    for rows, batched in ((1, False), (1, True), (128, False), (128, True)):  # one token per sample, or many
+        assert {left[2] for left, right in shapes if left[1] == right[2] == rows and (left[0] > 1) == batched} \
+            == lengths, (rows, batched)
 
 
 def test_a_device_whose_tensor_cores_fail_the_probe_falls_back_to_ieee_float32_with_a_warning(monkeypatch):
