@@ -148,10 +148,9 @@ def probe_matrix_units(bmm: Any, device: torch.device, unit_roundoff: float) -> 
         by_length.setdefault(len(left), []).append((left, right))
     for pairs in by_length.values():
         for rows, matrices in _PROBE_SHAPES:
-            matrices = matrices or max(2, len(pairs))
-            for start in range(0, len(pairs), rows * matrices):
-                failure = _probe_products(bmm, device, unit_roundoff, pairs[start:start + rows * matrices], rows,
-                                          matrices)
+            batch = matrices or max(2, len(pairs))
+            for start in range(0, len(pairs), rows * batch):
+                failure = _probe_products(bmm, device, unit_roundoff, pairs[start:start + rows * batch], rows, batch)
                 if failure is not None:
                     return failure
     return None
