@@ -482,7 +482,7 @@ def _kernel_seconds(step: Callable[[], None]) -> dict[str, dict[str, float]]:
     spans = {e.key.removeprefix("vip."): e.device_time_total / 1e6 for e in ranges if e.key.startswith("vip.")}
     by_precision: dict[str, float] = {}
     for event in kernels:
-        kind = kernel_precision(event.key, launched_on.get(event.key, set()))
+        kind = kernel_precision(event.key, launched_on.get(event.key, ()))
         by_precision[kind] = by_precision.get(kind, 0.0) + event.self_device_time_total / 1e6
     return {"kernels": seconds, "ranges": spans, "by_precision": by_precision}
 
